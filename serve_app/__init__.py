@@ -1,0 +1,1 @@
+"""Forge: an OpenAI-compatible LLM gateway built as one Ray Serve application."""

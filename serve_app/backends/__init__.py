@@ -1,0 +1,1 @@
+"""Where requests are served: the primary pools (Serve handles) and the external fallback."""

@@ -1,0 +1,143 @@
+"""The external fallback: any OpenAI-compatible HTTP endpoint (Gemini in production).
+
+Frames are passed through as they arrive; only the framing is parsed, and the one frame that
+carries ``usage`` (which we always ask upstream for, to meter) is decoded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+
+from serve_app import errors, sse
+from serve_app.config import FallbackConfig
+from serve_app.engines.base import Kind
+
+_PATHS = {"chat": "chat/completions", "completion": "completions"}
+
+
+class FallbackBackend:
+    name = "fallback"
+
+    def __init__(self, config: FallbackConfig, transport: httpx.AsyncBaseTransport | None = None):
+        self.config = config
+        headers = {"content-type": "application/json"}
+        api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self._client = httpx.AsyncClient(
+            base_url=config.base_url.rstrip("/") + "/",
+            headers=headers,
+            timeout=httpx.Timeout(
+                connect=config.connect_timeout_s,
+                read=config.read_timeout_s,
+                write=config.connect_timeout_s,
+                pool=config.connect_timeout_s,
+            ),
+            limits=httpx.Limits(
+                max_connections=config.max_connections,
+                max_keepalive_connections=config.max_connections,
+            ),
+            transport=transport,
+        )
+
+    def _upstream_body(self, body: dict, stream: bool) -> bytes:
+        upstream = {**body, "model": self.config.model, "stream": stream}
+        if stream:
+            upstream["stream_options"] = {
+                **(body.get("stream_options") or {}),
+                "include_usage": True,
+            }
+        return orjson.dumps(upstream)
+
+    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        request = self._client.build_request(
+            "POST",
+            _PATHS[kind],
+            content=self._upstream_body(body, stream=True),
+            headers={"x-request-id": request_id},
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise errors.upstream_timeout("The fallback model timed out.") from exc
+        except httpx.HTTPError as exc:
+            raise errors.bad_gateway(
+                f"The fallback model is unreachable: {type(exc).__name__}."
+            ) from exc
+        try:
+            if response.status_code >= 400:
+                raise _upstream_error(response.status_code, await response.aread())
+            async for events in sse.split_frames(response.aiter_raw()):
+                batch: list = []
+                for event in events:
+                    if event.startswith(sse.DONE[:12]):
+                        continue  # the gateway sends its own [DONE]
+                    if _may_carry_usage(event):
+                        usage_frame = orjson.loads(sse.frame_data(event))
+                        if usage_frame.get("usage"):
+                            batch.append({"usage": usage_frame["usage"]})
+                            if not wants_usage and not usage_frame.get("choices"):
+                                continue  # a usage-only frame the client did not ask for
+                    batch.append(event)
+                if batch:
+                    yield batch
+        except httpx.TimeoutException as exc:
+            raise errors.upstream_timeout("The fallback model stopped answering.") from exc
+        except httpx.HTTPError as exc:
+            raise errors.bad_gateway(f"The fallback stream broke: {type(exc).__name__}.") from exc
+        finally:
+            await response.aclose()
+
+    async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
+        try:
+            response = await self._client.post(
+                _PATHS[kind],
+                content=self._upstream_body(body, stream=False),
+                headers={"x-request-id": request_id},
+            )
+        except httpx.TimeoutException as exc:
+            raise errors.upstream_timeout("The fallback model timed out.") from exc
+        except httpx.HTTPError as exc:
+            raise errors.bad_gateway(
+                f"The fallback model is unreachable: {type(exc).__name__}."
+            ) from exc
+        if response.status_code >= 400:
+            raise _upstream_error(response.status_code, response.content)
+        try:
+            return {"response": orjson.loads(response.content), "replica": None}
+        except orjson.JSONDecodeError:
+            raise errors.bad_gateway("The fallback model answered with invalid JSON.") from None
+
+    async def ready(self) -> bool:
+        try:
+            response = await self._client.get("models", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _may_carry_usage(event: bytes) -> bool:
+    """Cheap pre-check so only the frame with real usage is decoded, not every chunk."""
+    return b'"usage"' in event and b'"usage":null' not in event and b'"usage": null' not in event
+
+
+def _upstream_error(status: int, content: bytes) -> errors.ForgeError:
+    """4xx from upstream are the client's problem: pass their message on. 5xx are ours: 502."""
+    if status >= 500:
+        return errors.bad_gateway(f"The fallback model failed with HTTP {status}.")
+    message, type_, code = f"The fallback model rejected the request (HTTP {status}).", None, None
+    try:
+        detail = orjson.loads(content)["error"]
+        message = detail.get("message") or message
+        type_, code = detail.get("type"), detail.get("code")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        pass
+    return errors.ForgeError(status, message, type=type_ or "invalid_request_error", code=code)

@@ -1,0 +1,79 @@
+"""A primary pool: a replica deployment reached through a Serve ``DeploymentHandle``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app import errors
+from serve_app.engines.base import EngineError, Kind
+
+# Serve handles raise the replica's exception as a subclass of the original type, so a
+# ForgeError raised in a replica (a 400 for an over-long prompt) reaches the client intact.
+_UNAVAILABLE = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
+
+
+def _as_forge_error(exc: BaseException) -> errors.ForgeError:
+    if isinstance(exc, errors.ForgeError):
+        return errors.ForgeError(
+            exc.status,
+            exc.message,
+            type=exc.type,
+            code=exc.code,
+            param=exc.param,
+            headers=exc.headers,
+        )
+    if isinstance(exc, BackPressureError):
+        return errors.backend_unavailable("The model pool is at capacity; retry shortly.")
+    if isinstance(exc, _UNAVAILABLE):
+        return errors.bad_gateway("The model replica went away.")
+    if isinstance(exc, TimeoutError):
+        return errors.upstream_timeout("The model did not start answering in time.")
+    if isinstance(exc, EngineError):
+        return errors.bad_gateway(f"The model replica failed: {exc}")
+    return errors.bad_gateway()
+
+
+class PoolBackend:
+    def __init__(self, name: str, handle: DeploymentHandle, first_token_timeout_s: float) -> None:
+        self.name = name
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self._first_token_timeout_s = first_token_timeout_s
+
+    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
+        gen = self._stream.stream.remote(body, kind, request_id)
+        try:
+            try:
+                first = await asyncio.wait_for(gen.__anext__(), self._first_token_timeout_s)
+            except StopAsyncIteration:
+                return
+            yield first
+            async for batch in gen:
+                yield batch
+        except (Exception, TaskCancelledError) as exc:
+            raise _as_forge_error(exc) from exc
+        finally:
+            # Stopped early (client gone, failure, deadline): the replica aborts and frees its slot.
+            gen.cancel()
+
+    async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
+        response = self._handle.complete.remote(body, kind, request_id)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except Exception as exc:
+            raise _as_forge_error(exc) from exc
+
+    async def ready(self) -> bool:
+        try:
+            await asyncio.wait_for(self._handle.stats.remote(), 2.0)
+        except Exception:
+            return False
+        return True

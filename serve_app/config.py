@@ -1,0 +1,133 @@
+"""Forge's configuration: the ``args`` of a Ray Serve config file, validated at start-up.
+
+Config is data. A mistake stops the application before it serves, with a message that names
+the field (``pools.0.engine.max_num_seqs: Input should be greater than 0``). Only secrets and
+endpoints come from the environment, and only by the variable names written here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantConfig(_Strict):
+    name: Annotated[str, Field(pattern=_NAME)]
+    # SHA-256 hex digests of the tenant's API keys; two while a key is rotated.
+    key_hashes: Annotated[list[str], Field(min_length=1)]
+    weight: Annotated[float, Field(gt=0)] = 1.0
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _hex_digests(cls, hashes: list[str]) -> list[str]:
+        for h in hashes:
+            if not _SHA256.match(h):
+                raise ValueError(
+                    "each key hash must be a lowercase SHA-256 hex digest (64 chars); "
+                    "run `forge keys new --tenant NAME` to make one"
+                )
+        return hashes
+
+
+class SimulatedEngineConfig(_Strict):
+    """The simulated vLLM's shape and timing (see ``engines/simulated_llm.py``)."""
+
+    kind: Literal["simulated"] = "simulated"
+    max_num_seqs: Annotated[int, Field(gt=0)] = 8
+    block_size: Annotated[int, Field(gt=0)] = 16
+    num_kv_blocks: Annotated[int, Field(gt=0)] = 4096
+    max_model_len: Annotated[int, Field(gt=0)] = 8192
+    prefill_base_s: Annotated[float, Field(ge=0)] = 0.0
+    prefill_per_token_s: Annotated[float, Field(ge=0)] = 0.0
+    decode_base_s: Annotated[float, Field(ge=0)] = 0.0
+    decode_per_seq_s: Annotated[float, Field(ge=0)] = 0.0
+    output_tokens_min: Annotated[int, Field(ge=1)] = 16
+    output_tokens_max: Annotated[int, Field(ge=1)] = 64
+
+    @model_validator(mode="after")
+    def _ranges(self) -> SimulatedEngineConfig:
+        if self.output_tokens_max < self.output_tokens_min:
+            raise ValueError("output_tokens_max must be >= output_tokens_min")
+        return self
+
+
+class PoolConfig(_Strict):
+    """A primary pool: one replica deployment serving one model."""
+
+    name: Annotated[str, Field(pattern=_NAME)] = "primary"
+    model: Annotated[str, Field(min_length=1)]
+    engine: SimulatedEngineConfig = SimulatedEngineConfig()
+    # Default for requests that omit max_tokens.
+    default_max_tokens: Annotated[int, Field(gt=0)] = 256
+    # A replica that has not started answering by then is failed over (never a hang).
+    first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
+    # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+
+class FallbackConfig(_Strict):
+    """An external OpenAI-compatible backend (Gemini in production, the mock on a laptop)."""
+
+    base_url: Annotated[str, Field(pattern=r"^https?://")]
+    # The upstream's model name; requests for a pool's model are rewritten to it on failover.
+    model: Annotated[str, Field(min_length=1)]
+    # Name of the environment variable holding the API key (a secret: never in config).
+    api_key_env: str | None = None
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    read_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    max_connections: Annotated[int, Field(gt=0)] = 256
+
+
+class GatewayConfig(_Strict):
+    max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
+    # Gateway replica deployment options (num_replicas, ray_actor_options, ...).
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+
+class ForgeConfig(_Strict):
+    gateway: GatewayConfig = GatewayConfig()
+    tenants: Annotated[list[TenantConfig], Field(min_length=1)]
+    pools: Annotated[list[PoolConfig], Field(min_length=1)]
+    fallback: FallbackConfig | None = None
+
+    @model_validator(mode="after")
+    def _unique(self) -> ForgeConfig:
+        for what, names in (
+            ("tenants", [t.name for t in self.tenants]),
+            ("pools", [p.name for p in self.pools]),
+            ("pools.model", [p.model for p in self.pools]),
+        ):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"{what}: duplicate names {dupes}")
+        if "fallback" in {p.name for p in self.pools}:
+            raise ValueError("pools: 'fallback' is reserved for the fallback backend")
+        hashes = [h for t in self.tenants for h in t.key_hashes]
+        if len(hashes) != len(set(hashes)):
+            raise ValueError("tenants: one key hash is listed for two tenants")
+        return self
+
+
+class ConfigError(ValueError):
+    """The config file is wrong; the message names every bad field."""
+
+
+def load_config(args: dict[str, Any] | None) -> ForgeConfig:
+    try:
+        return ForgeConfig.model_validate(args or {})
+    except ValidationError as exc:
+        lines = [
+            f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
+            for e in exc.errors(include_url=False)
+        ]
+        raise ConfigError("invalid Forge config:\n" + "\n".join(lines)) from None

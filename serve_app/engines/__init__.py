@@ -1,0 +1,1 @@
+"""Engines: what a replica runs. One small interface, a simulated and a vLLM implementation."""

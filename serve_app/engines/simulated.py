@@ -1,0 +1,182 @@
+"""The simulated engine: ``SimulatedLLM`` behind the OpenAI-level ``Engine`` interface.
+
+This layer does what vLLM's OpenAI serving layer does over its engine: render the chat
+template, count prompt tokens with the same tokenizer the gateway estimates with, enforce the
+context length, and format chunks exactly as vLLM streams them (one token per chunk, a final
+chunk with ``finish_reason``, and a usage chunk with empty ``choices`` when asked).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+
+from serve_app import errors, tokenizer
+from serve_app.config import SimulatedEngineConfig
+from serve_app.engines.base import Engine, EngineStats, Kind, Usage
+from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig
+
+
+def prompt_text(body: dict, kind: Kind) -> str:
+    """The text the model sees: the rendered chat, or the completion prompt."""
+    if kind == "chat":
+        return tokenizer.render_chat(body["messages"])
+    prompt = body["prompt"]
+    return prompt if isinstance(prompt, str) else prompt[0]
+
+
+class SimulatedEngine(Engine):
+    def __init__(self, model: str, config: SimulatedEngineConfig, default_max_tokens: int) -> None:
+        self.model = model
+        self.config = config
+        self.default_max_tokens = default_max_tokens
+        self.llm = SimulatedLLM(
+            SimulatedLLMConfig(
+                max_num_seqs=config.max_num_seqs,
+                block_size=config.block_size,
+                num_kv_blocks=config.num_kv_blocks,
+                prefill_base_s=config.prefill_base_s,
+                prefill_per_token_s=config.prefill_per_token_s,
+                decode_base_s=config.decode_base_s,
+                decode_per_seq_s=config.decode_per_seq_s,
+                output_tokens_min=config.output_tokens_min,
+                output_tokens_max=config.output_tokens_max,
+            )
+        )
+
+    async def start(self) -> None:
+        """Nothing to load: the scheduler loop starts with the first request."""
+
+    def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
+        ids = tokenizer.encode(prompt_text(body, kind))
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        max_tokens = max_tokens or self.default_max_tokens
+        limit = self.config.max_model_len
+        if len(ids) + max_tokens > limit:
+            # vLLM's wording, so clients that parse it keep working.
+            raise errors.invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion.",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        return ids, max_tokens
+
+    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
+        ids, max_tokens = self._prepare(body, kind)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
+        completion_tokens = cached = 0
+        async for out in self.llm.generate(request_id, ids, max_tokens):
+            if completion_tokens == 0 and kind == "chat":
+                yield chunk.role()  # like vLLM: with the first token, after prefill
+            completion_tokens += 1
+            cached = out.num_cached_tokens
+            yield chunk.token(out.text)
+            if out.finish_reason is not None:
+                yield chunk.finish(out.finish_reason)
+        usage = Usage(len(ids), completion_tokens, cached)
+        if include_usage:
+            yield chunk.usage(usage)
+        yield usage
+
+    async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
+        ids, max_tokens = self._prepare(body, kind)
+        pieces: list[str] = []
+        finish_reason = "stop"
+        cached = 0
+        async for out in self.llm.generate(request_id, ids, max_tokens):
+            pieces.append(out.text)
+            cached = out.num_cached_tokens
+            finish_reason = out.finish_reason or finish_reason
+        usage = Usage(len(ids), len(pieces), cached)
+        text = "".join(pieces)
+        if kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            obj, prefix = "chat.completion", "chatcmpl-"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj, prefix = "text_completion", "cmpl-"
+        response = {
+            "id": prefix + request_id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage.to_openai(),
+        }
+        return response, usage
+
+    def stats(self) -> EngineStats:
+        llm = self.llm
+        return EngineStats(
+            num_requests_running=llm.num_requests_running,
+            num_requests_waiting=llm.num_requests_waiting,
+            kv_cache_usage_perc=llm.kv_cache_usage(),
+            prefix_cache_queries=llm.prefix_cache_queries,
+            prefix_cache_hits=llm.prefix_cache_hits,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    def set_slow_factor(self, factor: float) -> None:
+        self.llm.slow_factor = factor
+
+    async def check_health(self) -> None:
+        """The simulator is healthy while its process is; injected faults live in the replica."""
+
+    async def shutdown(self) -> None:
+        await self.llm.close()
+
+
+class _ChunkFormat:
+    """Pre-serialised chunk envelopes: per token only the content is encoded."""
+
+    __slots__ = ("_head", "_kind", "_tail", "_usage_head")
+
+    def __init__(self, kind: Kind, request_id: str, model: str, include_usage: bool) -> None:
+        self._kind = kind
+        created = int(time.time())
+        if kind == "chat":
+            envelope = {"id": "chatcmpl-" + request_id, "object": "chat.completion.chunk"}
+        else:
+            envelope = {"id": "cmpl-" + request_id, "object": "text_completion"}
+        envelope |= {"created": created, "model": model}
+        head = orjson.dumps(envelope)[:-1]  # drop the closing brace
+        self._head = b"data: " + head + b',"choices":[{"index":0,'
+        usage_null = b',"usage":null' if include_usage else b""
+        self._tail = b"}]" + usage_null + b"}\n\n"
+        self._usage_head = b"data: " + head + b',"choices":[],"usage":'
+
+    def _frame(self, choice_body: bytes) -> bytes:
+        return self._head + choice_body + self._tail
+
+    def role(self) -> bytes:
+        return self._frame(
+            b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null'
+        )
+
+    def token(self, text: str) -> bytes:
+        content = orjson.dumps(text)
+        if self._kind == "chat":
+            return self._frame(
+                b'"delta":{"content":' + content + b'},"logprobs":null,"finish_reason":null'
+            )
+        return self._frame(b'"text":' + content + b',"logprobs":null,"finish_reason":null')
+
+    def finish(self, reason: str) -> bytes:
+        reason_json = orjson.dumps(reason)
+        if self._kind == "chat":
+            return self._frame(b'"delta":{},"logprobs":null,"finish_reason":' + reason_json)
+        return self._frame(b'"text":"","logprobs":null,"finish_reason":' + reason_json)
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._usage_head + orjson.dumps(usage.to_openai()) + b"}\n\n"

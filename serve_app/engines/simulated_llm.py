@@ -1,0 +1,512 @@
+"""A token-level model of a vLLM engine core, in pure asyncio.
+
+The gateway's scheduling, routing and failover only mean something if the replicas behind them
+behave like vLLM under load: a bounded set of running sequences, a waiting queue, a paged KV
+cache whose prefix cache makes repeated prompts cheap, and decode steps that slow down as the
+batch grows. ``SimulatedLLM`` models exactly that, at token granularity, so a laptop or CI can
+exercise those policies without a GPU. It knows nothing of Ray or of OpenAI formatting; the
+simulated engine wraps it.
+
+Deliberate simplifications, each noted where it lives:
+
+- No preemption. vLLM admits optimistically and preempts when decode runs out of blocks; here a
+  request is admitted only when its whole final footprint fits, which the simulator knows
+  because it picks the output length itself. Blocks are still taken one at a time as decode
+  proceeds, so ``kv_cache_usage`` rises with load as it does in vLLM.
+- Only full prompt blocks are hashed into the prefix cache; the partial last prompt block and the
+  decode blocks are private to the request and freed when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from serve_app.engines.base import EngineError
+from serve_app.tokenizer import OUTPUT_WORDS, token_id
+
+FinishReason = Literal["stop", "length"]
+
+_MASK64 = (1 << 64) - 1
+# Precomputed so the hot loop never hashes a piece to find its id.
+_OUTPUT_IDS: tuple[int, ...] = tuple(token_id(w) for w in OUTPUT_WORDS)
+
+
+@dataclass(frozen=True)
+class SimulatedLLMConfig:
+    """Capacity and cost model of one simulated replica; times are seconds."""
+
+    max_num_seqs: int = 8
+    block_size: int = 16
+    num_kv_blocks: int = 4096
+    prefill_base_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    decode_base_s: float = 0.0
+    decode_per_seq_s: float = 0.0
+    output_tokens_min: int = 16
+    output_tokens_max: int = 64
+
+    def __post_init__(self) -> None:
+        # Fail at construction, naming the field, rather than deadlock or divide by zero later.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s"):
+                if value < 0:
+                    raise ValueError(f"{f.name} must be >= 0, got {value}")
+            elif value < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {value}")
+        if self.output_tokens_max < self.output_tokens_min:
+            raise ValueError(
+                f"output_tokens_max ({self.output_tokens_max}) must be >= "
+                f"output_tokens_min ({self.output_tokens_min})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """One generated token, as the engine core hands it to the formatting layer."""
+
+    token_id: int
+    text: str
+    index: int
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64 finaliser: a stable, well-spread hash of a 64-bit counter."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _output_seed(prompt_token_ids: Sequence[int], seed_text: str | None) -> int:
+    """Digest of the prompt (and seed text): the same in every process, unlike ``hash``."""
+    ids = array("q", prompt_token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    digest = hashlib.blake2b(ids.tobytes(), digest_size=8)
+    if seed_text is not None:
+        digest.update(b"\x00" + seed_text.encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """vLLM's hash chain over the full blocks of a prompt: each hash commits to its prefix."""
+    hashes = []
+    parent: int | None = None
+    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(prompt_token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _KVBlockPool:
+    """Paged KV cache with a prefix cache sharing the same blocks, as in vLLM.
+
+    A block is free, held privately by one running request (``anonymous``), or cached under its
+    hash: pinned while any running request refers to it, evictable (LRU) when none does. Running
+    requests also hold a reservation for the blocks their remaining decode will take, so growth
+    never fails and nothing needs preempting.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._refs: dict[int, int] = {}  # hash -> running requests using it (0 = evictable)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._num_anonymous = 0
+        self._num_reserved = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - len(self._refs) - self._num_anonymous
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._refs) - len(self._evictable) + self._num_anonymous
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._refs
+
+    def try_admit(
+        self, hashes: tuple[int, ...], num_anonymous_now: int, num_final_blocks: int
+    ) -> bool:
+        """Pin/allocate a prompt's blocks and reserve the rest, or change nothing and say no."""
+        refs, evictable = self._refs, self._evictable
+        shared = shared_evictable = 0
+        for h in hashes:
+            if h in refs:
+                shared += 1
+                if h in evictable:
+                    shared_evictable += 1
+        available = self.num_free + len(evictable) - shared_evictable - self._num_reserved
+        if num_final_blocks - shared > available:
+            return False
+        # Pin the shared blocks before allocating, so allocation cannot evict one of them.
+        for h in hashes:
+            count = refs.get(h)
+            if count is not None:
+                if count == 0:
+                    del evictable[h]
+                refs[h] = count + 1
+        for h in hashes:
+            if h not in refs:
+                self._make_room()
+                refs[h] = 1
+        self.take_anonymous(num_anonymous_now)
+        self._num_reserved += num_final_blocks - len(hashes) - num_anonymous_now
+        return True
+
+    def take_anonymous(self, n: int) -> None:
+        for _ in range(n):
+            self._make_room()
+            self._num_anonymous += 1
+
+    def grow(self) -> None:
+        """Turn one reserved block into a held one (a decode step crossed a block boundary)."""
+        self._make_room()
+        self._num_anonymous += 1
+        self._num_reserved -= 1
+
+    def release(self, hashes: tuple[int, ...], num_anonymous: int, num_reserved: int) -> None:
+        self._num_anonymous -= num_anonymous
+        self._num_reserved -= num_reserved
+        refs, evictable = self._refs, self._evictable
+        # Tail blocks first, so LRU evicts a prompt's tail before its (more shareable) head.
+        for h in reversed(hashes):
+            count = refs[h] - 1
+            refs[h] = count
+            if count == 0:
+                evictable[h] = None
+
+    def _make_room(self) -> None:
+        """Ensure one free block, evicting the least recently used cached block if needed."""
+        if self.num_free > 0:
+            return
+        block_hash, _ = self._evictable.popitem(last=False)
+        del self._refs[block_hash]
+
+
+_WAITING, _RUNNING, _DONE = 0, 1, 2
+
+
+class _Request:
+    """Engine-side state of one request; the consumer reads ``pending`` via ``waiter``."""
+
+    __slots__ = (
+        "block_hashes",
+        "last_finish_reason",
+        "num_anonymous_blocks",
+        "num_cached_tokens",
+        "num_final_blocks",
+        "num_generated",
+        "num_output_tokens",
+        "num_prompt_tokens",
+        "pending",
+        "request_id",
+        "seed",
+        "state",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        block_hashes: tuple[int, ...],
+        seed: int,
+        num_output_tokens: int,
+        last_finish_reason: FinishReason,
+        num_final_blocks: int,
+    ) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.block_hashes = block_hashes
+        self.seed = seed
+        self.num_output_tokens = num_output_tokens
+        self.last_finish_reason = last_finish_reason
+        self.num_final_blocks = num_final_blocks
+        self.num_anonymous_blocks = 0
+        self.num_cached_tokens = 0
+        self.num_generated = 0
+        self.state = _WAITING
+        self.pending: deque[TokenOutput] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class SimulatedLLM:
+    """Continuous batching over a paged, prefix-cached KV store, stepping like vLLM's core.
+
+    One background loop runs steps. A step admits waiting requests FIFO while a running slot and
+    enough KV blocks exist (prefilling them), sleeps for the step's simulated cost, then gives
+    every running request one token. A newly admitted request's first token therefore lands at
+    the end of its prefill step: TTFT = queueing + prefill cost of its uncached tokens.
+    """
+
+    def __init__(self, config: SimulatedLLMConfig, *, slow_factor: float = 1.0) -> None:
+        self._config = config
+        self.slow_factor = slow_factor
+        self._pool = _KVBlockPool(config.num_kv_blocks)
+        self._requests: dict[str, _Request] = {}
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
+        self._running: dict[str, _Request] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+        self._steps = 0  # for tests: proves the loop idles instead of spinning
+
+    @property
+    def config(self) -> SimulatedLLMConfig:
+        return self._config
+
+    @property
+    def slow_factor(self) -> float:
+        """Multiplies every simulated delay; settable at run time (failure injection)."""
+        return self._slow_factor
+
+    @slow_factor.setter
+    def slow_factor(self, value: float) -> None:
+        if value < 0:
+            raise ValueError(f"slow_factor must be >= 0, got {value}")
+        self._slow_factor = float(value)
+
+    @property
+    def num_requests_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache, cumulative (vLLM counts tokens)."""
+        return self._prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens found in the prefix cache, cumulative."""
+        return self._prefix_cache_hits
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by running requests; evictable cached blocks count as free."""
+        return self._pool.num_pinned / self._pool.num_blocks
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        seed_text: str | None = None,
+    ) -> AsyncIterator[TokenOutput]:
+        """Validate now, return a stream of tokens that queues the request when first iterated.
+
+        A plain method rather than an async generator so a request that can never be served
+        fails here, at call time. The request enters the queue only when iteration starts, so a
+        stream that is created but never iterated holds nothing. The stream ends after the token
+        whose ``finish_reason`` is set, or, if aborted, early and without one. Closing it or
+        cancelling its consumer aborts the request at once.
+        """
+        cfg = self._config
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        worst_blocks = _ceil_div(num_prompt + max_tokens, cfg.block_size)
+        if worst_blocks > cfg.num_kv_blocks:
+            raise ValueError(
+                f"request needs up to {worst_blocks} KV blocks ({num_prompt} prompt tokens + "
+                f"max_tokens {max_tokens}, block_size {cfg.block_size}) but the cache has only "
+                f"{cfg.num_kv_blocks}; shorten the prompt or lower max_tokens"
+            )
+        seed = _output_seed(prompt_token_ids, seed_text)
+        span = cfg.output_tokens_max - cfg.output_tokens_min + 1
+        natural = cfg.output_tokens_min + _mix64(seed) % span
+        num_output = min(max_tokens, natural)
+        request = _Request(
+            request_id=request_id,
+            num_prompt_tokens=num_prompt,
+            block_hashes=_block_hashes(prompt_token_ids, cfg.block_size),
+            seed=seed,
+            num_output_tokens=num_output,
+            last_finish_reason="length" if max_tokens < natural else "stop",
+            num_final_blocks=_ceil_div(num_prompt + num_output, cfg.block_size),
+        )
+        return self._stream(request)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's slot and blocks (or dequeue it) now; its stream ends without a
+        finish reason. Unknown or already finished ids are ignored, as in vLLM."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._release(request, aborted=True)
+
+    async def close(self) -> None:
+        """Stop the loop; streams still open end as if aborted, so no consumer hangs."""
+        self._closed = True
+        for request in list(self._requests.values()):
+            self._release(request, aborted=True)
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _stream(self, request: _Request) -> AsyncIterator[TokenOutput]:
+        self._enqueue(request)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if request.pending:
+                    output = request.pending.popleft()
+                    yield output
+                    if output.finish_reason is not None:
+                        return
+                elif request.state == _DONE:
+                    return  # aborted: no more tokens will come
+                elif self._failure is not None:
+                    raise EngineError("simulated engine loop failed") from self._failure
+                else:
+                    request.waiter = loop.create_future()
+                    await request.waiter
+                    request.waiter = None
+        finally:
+            # Consumer closed or cancelled: free the slot now, not when the step loop notices.
+            self._release(request, aborted=True)
+
+    def _enqueue(self, request: _Request) -> None:
+        if self._closed:
+            raise EngineError("simulated engine is closed")
+        if self._failure is not None:
+            raise EngineError("simulated engine loop failed") from self._failure
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self._requests[request.request_id] = request
+        self._waiting[request.request_id] = request
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._wakeup.set()
+
+    def _release(self, request: _Request, *, aborted: bool) -> None:
+        """Take a request out of the engine; idempotent, so every exit path can call it."""
+        if request.state == _RUNNING:
+            del self._running[request.request_id]
+            self._pool.release(
+                request.block_hashes,
+                request.num_anonymous_blocks,
+                request.num_final_blocks - len(request.block_hashes) - request.num_anonymous_blocks,
+            )
+        elif request.state == _WAITING:
+            del self._waiting[request.request_id]
+        else:
+            return
+        request.state = _DONE
+        del self._requests[request.request_id]
+        if aborted:
+            request.pending.clear()
+        request.wake()
+
+    async def _run(self) -> None:
+        cfg = self._config
+        try:
+            while True:
+                if not self._running and not self._waiting:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                prefill_tokens = self._admit()
+                if not self._running:
+                    # Unreachable while generate() rejects requests larger than the cache (an
+                    # empty engine fits any of those); wait rather than spin if it ever is.
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                delay = cfg.decode_base_s + cfg.decode_per_seq_s * len(self._running)
+                if prefill_tokens is not None:
+                    delay += cfg.prefill_base_s + cfg.prefill_per_token_s * prefill_tokens
+                self._steps += 1
+                await asyncio.sleep(delay * self._slow_factor)
+                self._emit()
+        except Exception as exc:
+            # A bug here must not leave consumers waiting forever: fail them loudly.
+            self._failure = exc
+            for request in self._requests.values():
+                request.wake()
+            raise
+
+    def _admit(self) -> int | None:
+        """Admit waiting requests FIFO; return their uncached prompt tokens, None if none."""
+        cfg = self._config
+        pool = self._pool
+        prefill_tokens: int | None = None
+        while self._waiting and len(self._running) < cfg.max_num_seqs:
+            request = next(iter(self._waiting.values()))
+            hashes = request.block_hashes
+            num_prompt = request.num_prompt_tokens
+            # Like vLLM, at least the last prompt token is recomputed to get logits, so a fully
+            # cached block-aligned prompt hits one block less.
+            hit_blocks = 0
+            for h in hashes[: (num_prompt - 1) // cfg.block_size]:
+                if h not in pool:
+                    break
+                hit_blocks += 1
+            # Hold blocks for the prompt plus the first output token's slot.
+            num_anonymous = _ceil_div(num_prompt + 1, cfg.block_size) - len(hashes)
+            if not pool.try_admit(hashes, num_anonymous, request.num_final_blocks):
+                break  # head-of-line waits for blocks, as in vLLM's FCFS policy
+            del self._waiting[request.request_id]
+            self._running[request.request_id] = request
+            request.state = _RUNNING
+            request.num_anonymous_blocks = num_anonymous
+            request.num_cached_tokens = hit_blocks * cfg.block_size
+            self._prefix_cache_queries += num_prompt
+            self._prefix_cache_hits += request.num_cached_tokens
+            prefill_tokens = (prefill_tokens or 0) + num_prompt - request.num_cached_tokens
+        return prefill_tokens
+
+    def _emit(self) -> None:
+        """End of step: one token for every running request."""
+        block_size = self._config.block_size
+        num_words = len(OUTPUT_WORDS)
+        for request in list(self._running.values()):
+            index = request.num_generated
+            word = _mix64(request.seed + index + 1) % num_words
+            last = index + 1 == request.num_output_tokens
+            request.pending.append(
+                TokenOutput(
+                    token_id=_OUTPUT_IDS[word],
+                    text=OUTPUT_WORDS[word],
+                    index=index,
+                    finish_reason=request.last_finish_reason if last else None,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            request.num_generated = index + 1
+            if last:
+                self._release(request, aborted=False)
+                continue
+            request.wake()
+            if (request.num_prompt_tokens + index + 1) % block_size == 0:
+                # The next token starts a new block: take it from this request's reservation.
+                self._pool.grow()
+                request.num_anonymous_blocks += 1

@@ -1,0 +1,138 @@
+"""OpenAI-shaped errors: the one place that builds error bodies, responses and SSE error events.
+
+Every failure a client can see is a ``ForgeError``; the ingress turns it into
+``{"error": {"message", "type", "code", "param"}}`` with the right status. Nothing else formats
+errors, so the shape cannot drift between the JSON and the streaming paths.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.responses import Response
+
+
+class ForgeError(Exception):
+    """A failure with the status, OpenAI error type and code a client should see."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+    def __reduce__(self):
+        # Replicas raise ForgeErrors that cross Ray's process boundary: pickle every field.
+        return (
+            _rebuild,
+            (self.status, self.message, self.type, self.code, self.param, self.headers),
+        )
+
+    def __repr__(self) -> str:
+        return f"ForgeError({self.status}, {self.code!r}, {self.message!r})"
+
+
+def _rebuild(status, message, type, code, param, headers) -> ForgeError:
+    return ForgeError(status, message, type=type, code=code, param=param, headers=headers)
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_value"):
+    return ForgeError(400, message, type="invalid_request_error", code=code, param=param)
+
+
+def invalid_api_key(message: str = "Invalid or missing API key.") -> ForgeError:
+    # OpenAI answers 401 with type invalid_request_error and code invalid_api_key.
+    return ForgeError(
+        401,
+        message,
+        type="invalid_request_error",
+        code="invalid_api_key",
+        headers={"www-authenticate": "Bearer"},
+    )
+
+
+def model_not_found(model: str) -> ForgeError:
+    return ForgeError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        type="invalid_request_error",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def not_found(path: str) -> ForgeError:
+    return ForgeError(404, f"No route for {path}.", type="invalid_request_error", code="not_found")
+
+
+def method_not_allowed(method: str, path: str) -> ForgeError:
+    return ForgeError(
+        405,
+        f"{method} is not allowed on {path}.",
+        type="invalid_request_error",
+        code="method_not_allowed",
+    )
+
+
+def payload_too_large(limit: int) -> ForgeError:
+    return ForgeError(
+        413,
+        f"Request body is larger than the {limit} bytes this gateway accepts.",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def bad_gateway(message: str = "The model backend failed to answer.") -> ForgeError:
+    return ForgeError(502, message, type="api_error", code="bad_gateway")
+
+
+def backend_unavailable(message: str = "No model backend is available.") -> ForgeError:
+    return ForgeError(
+        503, message, type="api_error", code="backend_unavailable", headers={"retry-after": "1"}
+    )
+
+
+def upstream_timeout(message: str = "The model backend timed out.") -> ForgeError:
+    return ForgeError(504, message, type="api_error", code="upstream_timeout")
+
+
+def internal_error() -> ForgeError:
+    # Deliberately vague: details go to the log with the request id, never to the client.
+    return ForgeError(500, "Internal gateway error.", type="api_error", code="internal_error")
+
+
+def error_response(err: ForgeError, headers: dict[str, str] | None = None) -> Response:
+    merged = {**err.headers, **(headers or {})}
+    return Response(
+        orjson.dumps(err.body()),
+        status_code=err.status,
+        headers=merged,
+        media_type="application/json",
+    )
+
+
+def error_event(err: ForgeError) -> bytes:
+    """The SSE event that ends a stream honestly when it fails after the first byte."""
+    return b"data: " + orjson.dumps(err.body()) + b"\n\n"

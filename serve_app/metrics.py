@@ -1,0 +1,81 @@
+"""Forge's metrics, on Ray's metrics path so they aggregate across replicas and nodes.
+
+Every stage records through this one object; names follow the design card (``forge_*``; Ray's
+exporter adds its ``ray_`` namespace in Prometheus). Tag values are strings, always all set.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Histogram
+
+_LATENCY_BUCKETS = [
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+]
+
+
+class ForgeMetrics:
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "forge_requests_total",
+            description="Requests by tenant, route, serving backend and HTTP status.",
+            tag_keys=("tenant", "route", "backend", "status"),
+        )
+        self.ttft = Histogram(
+            "forge_ttft_seconds",
+            description="Time from request arrival to the first byte of the answer.",
+            boundaries=_LATENCY_BUCKETS,
+            tag_keys=("route", "backend"),
+        )
+        self.duration = Histogram(
+            "forge_request_duration_seconds",
+            description="Time from request arrival to the end of the answer.",
+            boundaries=_LATENCY_BUCKETS,
+            tag_keys=("route", "backend"),
+        )
+        self.tokens = Counter(
+            "forge_tokens_total",
+            description="Tokens by tenant and kind (prompt, completion), from backend usage.",
+            tag_keys=("tenant", "kind"),
+        )
+
+    def record(
+        self,
+        *,
+        tenant: str,
+        route: str,
+        backend: str,
+        status: int,
+        ttft_s: float | None,
+        duration_s: float,
+        usage: dict | None,
+    ) -> None:
+        self.requests.inc(
+            tags={"tenant": tenant, "route": route, "backend": backend, "status": str(status)}
+        )
+        timing_tags = {"route": route, "backend": backend}
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, tags=timing_tags)
+        self.duration.observe(duration_s, tags=timing_tags)
+        if usage:
+            self.tokens.inc(
+                usage.get("prompt_tokens", 0), tags={"tenant": tenant, "kind": "prompt"}
+            )
+            self.tokens.inc(
+                usage.get("completion_tokens", 0), tags={"tenant": tenant, "kind": "completion"}
+            )

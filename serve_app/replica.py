@@ -1,0 +1,121 @@
+"""The replica deployment: one engine, served to the gateway through Serve handles.
+
+The replica is engine-agnostic. It coalesces the frames that are ready into one handle item
+(a Serve handle stream pays per item, not per byte), injects faults, reports vLLM-named stats
+for routing and dashboards, and aborts the engine's request when the caller goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from serve_app.config import PoolConfig
+from serve_app.engines.base import Engine, Kind, Usage
+from serve_app.faults import FaultInjector, FaultSpec
+
+logger = logging.getLogger("ray.serve")
+
+_END = object()
+
+
+def build_engine(pool: PoolConfig) -> Engine:
+    if pool.engine.kind == "simulated":
+        from serve_app.engines.simulated import SimulatedEngine
+
+        return SimulatedEngine(pool.model, pool.engine, pool.default_max_tokens)
+    raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
+
+
+class Replica:
+    """A model server. Stream items are lists: SSE frames (bytes) and metadata (dicts)."""
+
+    def __init__(self, pool: dict) -> None:
+        self.pool = PoolConfig.model_validate(pool)
+        self.engine = build_engine(self.pool)
+        self.faults = FaultInjector()
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (unit tests)
+            self.replica_id = "local"
+        self._started = False
+
+    async def _ensure_started(self) -> None:
+        if not self._started:
+            await self.engine.start()
+            self._started = True
+
+    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
+        """Stream one request as lists of ready items; the first list starts with metadata."""
+        await self._ensure_started()
+        await self.faults.before_first_frame()
+        queue: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
+        sent = 0
+        try:
+            batch: list = [{"replica": self.replica_id}]
+            while True:
+                item = await queue.get()
+                while True:
+                    if item is _END:
+                        if batch:
+                            yield batch
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    if isinstance(item, Usage):
+                        batch.append({"usage": item.to_openai()})
+                    else:
+                        batch.append(item)
+                        sent += 1
+                        self.faults.after_frame(sent)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                yield batch
+                batch = []
+        finally:
+            # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
+            producer.cancel()
+
+    async def _produce(self, body: dict, kind: Kind, request_id: str, queue: asyncio.Queue):
+        try:
+            async for item in self.engine.stream(body, kind, request_id):
+                queue.put_nowait(item)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced to the consumer, which re-raises it
+            queue.put_nowait(exc)
+        queue.put_nowait(_END)
+
+    async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
+        """The OpenAI response body (with ``usage``) and, under ``forge``, the replica id."""
+        await self._ensure_started()
+        await self.faults.before_first_frame()
+        response, _ = await self.engine.complete(body, kind, request_id)
+        self.faults.after_frame(self.faults.spec.after_frames)
+        return {"response": response, "replica": self.replica_id}
+
+    def stats(self) -> dict:
+        return {"replica": self.replica_id, **self.engine.stats().as_dict()}
+
+    def record_routing_stats(self) -> dict:
+        """Serve calls this periodically; request routers read it (see routing policies)."""
+        return self.engine.stats().as_dict()
+
+    def set_fault(self, spec: dict | None) -> dict:
+        self.faults.spec = FaultSpec.model_validate(spec or {})
+        set_slow = getattr(self.engine, "set_slow_factor", None)
+        if set_slow is not None:
+            set_slow(self.faults.spec.factor if self.faults.spec.mode == "slow" else 1.0)
+        logger.warning("fault injection on replica %s: %s", self.replica_id, self.faults.spec)
+        return self.faults.spec.model_dump()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()

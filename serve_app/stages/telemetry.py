@@ -1,0 +1,88 @@
+"""Every outcome, observed once: OpenAI-shaped error responses, metrics, one access log line.
+
+It sits right after the request id so it sees every request, 401s included. A streaming
+response is recorded when its last byte is sent (or the client leaves), not when it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from starlette.responses import Response, StreamingResponse
+
+from serve_app import errors
+from serve_app.metrics import ForgeMetrics
+from serve_app.pipeline import Handler, RequestContext
+
+logger = logging.getLogger("ray.serve")
+access_log = logging.getLogger("forge.access")
+
+
+class TelemetryStage:
+    def __init__(self, metrics: ForgeMetrics) -> None:
+        self.metrics = metrics
+
+    async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
+        try:
+            response = await call_next(ctx)
+        except errors.ForgeError as err:
+            response = errors.error_response(err)
+        except Exception:
+            # The trace stays in our log under the request id; the client gets a clean 500.
+            logger.exception("unhandled error in request %s", ctx.request_id)
+            response = errors.error_response(errors.internal_error())
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._observe_stream(ctx, response, response.body_iterator)
+        else:
+            self._record(ctx, response.status_code)
+        return response
+
+    async def _observe_stream(
+        self, ctx: RequestContext, response: StreamingResponse, body: AsyncIterator
+    ):
+        completed = False
+        try:
+            async for chunk in body:
+                yield chunk
+            completed = True
+        finally:
+            status = response.status_code if completed else 499  # nginx's "client closed"
+            if ctx.stream_error:
+                status = 599 if completed else status  # failed after the first byte
+            self._record(ctx, status)
+
+    def _record(self, ctx: RequestContext, status: int) -> None:
+        now = time.perf_counter()
+        ttft = ctx.first_byte_at - ctx.started if ctx.first_byte_at else None
+        duration = now - ctx.started
+        self.metrics.record(
+            tenant=ctx.tenant_name,
+            route=ctx.route,
+            backend=ctx.backend,
+            status=status,
+            ttft_s=ttft,
+            duration_s=duration,
+            usage=ctx.usage,
+        )
+        if access_log.isEnabledFor(logging.INFO):
+            usage = ctx.usage or {}
+            access_log.info(
+                orjson.dumps(
+                    {
+                        "request_id": ctx.request_id,
+                        "tenant": ctx.tenant_name,
+                        "route": ctx.route,
+                        "backend": ctx.backend,
+                        "replica": ctx.replica,
+                        "status": status,
+                        "latency_ms": round(duration * 1000, 2),
+                        "ttft_ms": round(ttft * 1000, 2) if ttft is not None else None,
+                        "prompt_tokens": usage.get("prompt_tokens"),
+                        "completion_tokens": usage.get("completion_tokens"),
+                        "error": ctx.stream_error,
+                    }
+                ).decode()
+            )
