@@ -12,7 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from serve_app.config import load_config
+from serve_app.config import PoolConfig, load_config
 from serve_app.gateway import GatewayIngress
 from serve_app.replica import Replica
 
@@ -21,9 +21,24 @@ def build_app(args: dict[str, Any]) -> Application:
     config = load_config(args)
     pools = {
         pool.name: serve.deployment(Replica)
-        .options(name=f"pool-{pool.name}", **pool.deployment)
+        .options(name=f"pool-{pool.name}", **_replica_options(pool))
         .bind(pool.model_dump())
         for pool in config.pools
     }
-    gateway = serve.deployment(GatewayIngress).options(name="gateway", **config.gateway.deployment)
+    # The gateway mostly waits on backends: Serve's default of 5 ongoing requests per replica
+    # would queue streams at the proxy long before its CPU is busy.
+    gateway_options = {"max_ongoing_requests": 1024, **config.gateway.deployment}
+    gateway = serve.deployment(GatewayIngress).options(name="gateway", **gateway_options)
     return gateway.bind(config.model_dump(), pools)
+
+
+def _replica_options(pool: PoolConfig) -> dict[str, Any]:
+    """Serve options for a pool, with defaults that fit an LLM server rather than a web app.
+
+    Serve's default of 5 ongoing requests per replica would starve a batching engine; twice the
+    engine's batch keeps its batch full and lets a short waiting queue form inside the engine
+    (as with vLLM), while the rest waits in Serve's router, which can still choose a replica.
+    """
+    options: dict[str, Any] = {"max_ongoing_requests": 2 * pool.engine.max_num_seqs}
+    options.update(pool.deployment)
+    return options

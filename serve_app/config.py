@@ -70,6 +70,8 @@ class PoolConfig(_Strict):
     default_max_tokens: Annotated[int, Field(gt=0)] = 256
     # A replica that has not started answering by then is failed over (never a hang).
     first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # Whether requests for this pool's model may be served by the fallback backend.
+    fallback: bool = True
     # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
     # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)

@@ -6,7 +6,6 @@ included, is logged and counted once; parsing runs after auth so anonymous traff
 a hash.
 """
 
-
 import asyncio
 import logging
 
@@ -61,8 +60,9 @@ class Gateway:
         for pool in self.config.pools:
             routes[pool.model] = [self.backends[pool.name]]
         if self.fallback is not None:
-            for chain in routes.values():
-                chain.append(self.fallback)
+            for pool in self.config.pools:
+                if pool.fallback:
+                    routes[pool.model].append(self.fallback)
             routes.setdefault(self.config.fallback.model, [self.fallback])
             self.models.append(self.config.fallback.model)
         metrics = ForgeMetrics()

@@ -5,7 +5,6 @@ application on its own route prefix; the gateway's fallback client cannot tell i
 OpenAI-compatible endpoint (it also checks the bearer key when one is configured).
 """
 
-
 import hmac
 import os
 from typing import Any

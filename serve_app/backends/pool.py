@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
@@ -47,19 +48,25 @@ class PoolBackend:
 
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
         gen = self._stream.stream.remote(body, kind, request_id)
+        finished = False
         try:
             try:
                 first = await asyncio.wait_for(gen.__anext__(), self._first_token_timeout_s)
             except StopAsyncIteration:
+                finished = True
                 return
             yield first
             async for batch in gen:
                 yield batch
+            finished = True
         except (Exception, TaskCancelledError) as exc:
             raise _as_forge_error(exc) from exc
         finally:
-            # Stopped early (client gone, failure, deadline): the replica aborts and frees its slot.
-            gen.cancel()
+            if not finished:
+                # Stopped early (client gone, failure, deadline): the replica aborts and frees
+                # its slot. cancel() re-raises a failed assignment's error; it is handled above.
+                with contextlib.suppress(Exception):
+                    gen.cancel()
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
         response = self._handle.complete.remote(body, kind, request_id)

@@ -32,6 +32,7 @@ class SimulatedEngine(Engine):
         self.model = model
         self.config = config
         self.default_max_tokens = default_max_tokens
+        self._serial = 0
         self.llm = SimulatedLLM(
             SimulatedLLMConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -48,6 +49,23 @@ class SimulatedEngine(Engine):
 
     async def start(self) -> None:
         """Nothing to load: the scheduler loop starts with the first request."""
+
+    def _generate(self, body: dict, kind: Kind, request_id: str):
+        """Validate like vLLM (400 for what can never fit) and start the token stream."""
+        ids, max_tokens = self._prepare(body, kind)
+        # Client request ids may repeat; the engine's must not (vLLM suffixes them too).
+        self._serial += 1
+        try:
+            tokens = self.llm.generate(
+                f"{request_id}-{self._serial}",
+                ids,
+                max_tokens,
+                seed_text=None if body.get("seed") is None else str(body["seed"]),
+                ignore_eos=bool(body.get("ignore_eos")),
+            )
+        except ValueError as exc:
+            raise errors.invalid_request(str(exc), code="context_length_exceeded") from None
+        return ids, tokens
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
         ids = tokenizer.encode(prompt_text(body, kind))
@@ -67,11 +85,11 @@ class SimulatedEngine(Engine):
         return ids, max_tokens
 
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
-        ids, max_tokens = self._prepare(body, kind)
+        ids, tokens = self._generate(body, kind, request_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
         completion_tokens = cached = 0
-        async for out in self.llm.generate(request_id, ids, max_tokens):
+        async for out in tokens:
             if completion_tokens == 0 and kind == "chat":
                 yield chunk.role()  # like vLLM: with the first token, after prefill
             completion_tokens += 1
@@ -85,11 +103,11 @@ class SimulatedEngine(Engine):
         yield usage
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
-        ids, max_tokens = self._prepare(body, kind)
+        ids, tokens = self._generate(body, kind, request_id)
         pieces: list[str] = []
         finish_reason = "stop"
         cached = 0
-        async for out in self.llm.generate(request_id, ids, max_tokens):
+        async for out in tokens:
             pieces.append(out.text)
             cached = out.num_cached_tokens
             finish_reason = out.finish_reason or finish_reason

@@ -318,6 +318,7 @@ class SimulatedLLM:
         max_tokens: int,
         *,
         seed_text: str | None = None,
+        ignore_eos: bool = False,
     ) -> AsyncIterator[TokenOutput]:
         """Validate now, return a stream of tokens that queues the request when first iterated.
 
@@ -342,7 +343,8 @@ class SimulatedLLM:
             )
         seed = _output_seed(prompt_token_ids, seed_text)
         span = cfg.output_tokens_max - cfg.output_tokens_min + 1
-        natural = cfg.output_tokens_min + _mix64(seed) % span
+        # ignore_eos (a vLLM sampling parameter): the model never stops on its own.
+        natural = max_tokens if ignore_eos else cfg.output_tokens_min + _mix64(seed) % span
         num_output = min(max_tokens, natural)
         request = _Request(
             request_id=request_id,
@@ -350,7 +352,7 @@ class SimulatedLLM:
             block_hashes=_block_hashes(prompt_token_ids, cfg.block_size),
             seed=seed,
             num_output_tokens=num_output,
-            last_finish_reason="length" if max_tokens < natural else "stop",
+            last_finish_reason="length" if ignore_eos or max_tokens < natural else "stop",
             num_final_blocks=_ceil_div(num_prompt + num_output, cfg.block_size),
         )
         return self._stream(request)

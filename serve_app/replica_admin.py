@@ -1,0 +1,59 @@
+"""Reach one replica by its id: read its engine stats, set its injected fault.
+
+Serve handles route each call to a replica of their choosing; operators, drills and tests need
+the opposite (this replica, that fault). Replicas are named Ray actors, so this module calls
+the user method on the named replica actor the same way a handle would. It touches Serve's
+private request metadata, on purpose in this one place, and is never on the request path.
+"""
+
+from __future__ import annotations
+
+import pickle
+import uuid
+
+import ray
+from ray.serve._private.common import RequestMetadata
+from ray.serve._private.constants import SERVE_NAMESPACE
+
+_PREFIX = "SERVE_REPLICA::"
+
+
+def replica_ids(app: str, deployment: str) -> list[str]:
+    """Ids of the live replicas of one deployment, e.g. of the pool ``pool-primary``."""
+    prefix = f"{_PREFIX}{app}#{deployment}#"
+    return sorted(
+        a["name"][len(prefix) :]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(prefix)
+    )
+
+
+def _call(app: str, deployment: str, replica_id: str, method: str, *args):
+    actor = ray.get_actor(f"{_PREFIX}{app}#{deployment}#{replica_id}", namespace=SERVE_NAMESPACE)
+    rid = uuid.uuid4().hex
+    metadata = RequestMetadata(
+        request_id=rid, internal_request_id=rid, call_method=method, app_name=app
+    )
+    return actor.handle_request.remote(pickle.dumps(metadata), *args)
+
+
+def stats(app: str, deployment: str, replica_id: str, timeout_s: float = 10.0) -> dict:
+    return ray.get(_call(app, deployment, replica_id, "stats"), timeout=timeout_s)
+
+
+def set_fault(
+    app: str, deployment: str, replica_id: str, spec: dict | None, timeout_s: float = 10.0
+) -> dict:
+    """Set (or with ``None`` clear) the fault of one replica; see ``faults.FaultSpec``."""
+    return ray.get(_call(app, deployment, replica_id, "set_fault", spec), timeout=timeout_s)
+
+
+def all_stats(app: str, deployment: str) -> list[dict]:
+    return [stats(app, deployment, r) for r in replica_ids(app, deployment)]
+
+
+def set_fault_all(app: str, deployment: str, spec: dict | None) -> list[str]:
+    ids = replica_ids(app, deployment)
+    for r in ids:
+        set_fault(app, deployment, r, spec)
+    return ids
