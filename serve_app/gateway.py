@@ -4,18 +4,25 @@ Request path, in order (see DESIGN.md): request id → auth → quota → cache 
 dispatch → metering. Telemetry sits right after the request id so that every outcome, a 401
 included, is logged and counted once; parsing runs after auth so anonymous traffic costs only
 a hash.
+
+The HTTP surface is a plain Starlette app built from a ``Gateway`` instance: Serve serves it
+through ``__serve_build_asgi_app__``, and anything else (uvicorn in a profiler, a test) can
+serve the very same object.
 """
+
+from __future__ import annotations
 
 import asyncio
 import logging
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from serve_app import errors
 from serve_app.auth import KeyRing
@@ -33,38 +40,22 @@ from serve_app.stages.telemetry import TelemetryStage
 
 logger = logging.getLogger("ray.serve")
 
-app = FastAPI(title="Forge", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-@app.exception_handler(HTTPException)
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    if exc.status_code == 405:
-        return errors.error_response(errors.method_not_allowed(request.method, request.url.path))
-    if exc.status_code == 404:
-        return errors.error_response(errors.not_found(request.url.path))
-    err = errors.ForgeError(exc.status_code, str(exc.detail), type="invalid_request_error")
-    return errors.error_response(err)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    return errors.error_response(errors.invalid_request(str(exc)))
+_JSON = "application/json"
 
 
 class Gateway:
     def __init__(self, config: dict, pools: dict[str, DeploymentHandle]) -> None:
         self.config = ForgeConfig.model_validate(config)
         self.backends = _backends(self.config, pools)
-        self.models = [p.model for p in self.config.pools]
+        fallback = self.backends.get("fallback")
         routes: dict[str, list[Backend]] = {}
         for pool in self.config.pools:
             routes[pool.model] = [self.backends[pool.name]]
-        if self.fallback is not None:
-            for pool in self.config.pools:
-                if pool.fallback:
-                    routes[pool.model].append(self.fallback)
-            routes.setdefault(self.config.fallback.model, [self.fallback])
-            self.models.append(self.config.fallback.model)
+            if fallback is not None and pool.fallback:
+                routes[pool.model].append(fallback)
+        if fallback is not None:
+            routes.setdefault(self.config.fallback.model, [fallback])
+        self.models = list(routes)
         metrics = ForgeMetrics()
         keyring = KeyRing(self.config.tenants)
 
@@ -83,48 +74,58 @@ class Gateway:
             [RequestIdStage(), TelemetryStage(metrics), AuthStage(keyring)], self._list_models
         )
 
-    @property
-    def fallback(self) -> FallbackBackend | None:
-        return self.backends.get("fallback")  # type: ignore[return-value]
+    def asgi_app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/healthz", self.healthz, methods=["GET"]),
+                Route("/readyz", self.readyz, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _http_error},
+        )
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.serve_inference(RequestContext(request, "chat"))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.serve_inference(RequestContext(request, "completion"))
+
+    async def list_models(self, request: Request) -> Response:
+        return await self.serve_listing(RequestContext(request, "models"))
+
+    async def healthz(self, request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type=_JSON)
+
+    async def readyz(self, request: Request) -> Response:
+        names = list(self.backends)
+        results = await asyncio.gather(*(self.backends[n].ready() for n in names))
+        body = {"ready": any(results), "backends": dict(zip(names, results, strict=True))}
+        return Response(
+            orjson.dumps(body), status_code=200 if body["ready"] else 503, media_type=_JSON
+        )
 
     async def _list_models(self, ctx: RequestContext) -> Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "forge"} for m in self.models
         ]
-        return Response(
-            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
-        )
-
-    async def readiness(self) -> tuple[bool, dict[str, bool]]:
-        names = list(self.backends)
-        results = await asyncio.gather(*(self.backends[n].ready() for n in names))
-        status = dict(zip(names, results, strict=True))
-        return any(results), status
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)
 
 
-@serve.ingress(app)
+@serve.ingress()
 class GatewayIngress(Gateway):
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        return await self.serve_inference(RequestContext(request, "chat"))
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return self.asgi_app()
 
-    @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        return await self.serve_inference(RequestContext(request, "completion"))
 
-    @app.get("/v1/models")
-    async def list_models(self, request: Request) -> Response:
-        return await self.serve_listing(RequestContext(request, "models"))
-
-    @app.get("/healthz")
-    async def healthz(self) -> Response:
-        return Response(b'{"status":"ok"}', media_type="application/json")
-
-    @app.get("/readyz")
-    async def readyz(self) -> Response:
-        ready, backends = await self.readiness()
-        body = orjson.dumps({"ready": ready, "backends": backends})
-        return Response(body, status_code=200 if ready else 503, media_type="application/json")
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 405:
+        return errors.error_response(errors.method_not_allowed(request.method, request.url.path))
+    if exc.status_code == 404:
+        return errors.error_response(errors.not_found(request.url.path))
+    err = errors.ForgeError(exc.status_code, str(exc.detail), type="invalid_request_error")
+    return errors.error_response(err)
 
 
 def _backends(config: ForgeConfig, pools: dict[str, DeploymentHandle]) -> dict[str, Backend]:

@@ -1,84 +1,110 @@
 """A mock OpenAI-compatible server, so the laptop exercises the fallback over real HTTP.
 
-It is the simulated engine behind a plain OpenAI HTTP surface, run as a second Serve
-application on its own route prefix; the gateway's fallback client cannot tell it from Gemini's
-OpenAI-compatible endpoint (it also checks the bearer key when one is configured).
+It is the simulated engine behind a plain OpenAI HTTP surface. ``configs/local.yaml`` runs it
+as a second Serve application on its own route prefix, and the gateway's fallback client cannot
+tell it from Gemini's OpenAI-compatible endpoint (it checks the bearer key when one is
+configured). ``python -m serve_app.mock_openai --port N`` serves the same app without Ray: the
+"straight to the backend" baseline of the overhead benchmark.
 """
 
+from __future__ import annotations
+
+import argparse
 import hmac
 import os
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve import Application
+from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from serve_app import errors, protocol, sse
 from serve_app.config import SimulatedEngineConfig
 from serve_app.engines.base import Kind, Usage
 from serve_app.engines.simulated import SimulatedEngine
 
-mock_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 _MODELS = {"chat": protocol.ChatCompletionRequest, "completion": protocol.CompletionRequest}
 
 
-@serve.ingress(mock_app)
-class MockOpenAI:
-    def __init__(self, model: str, engine: dict, api_key_env: str | None = None) -> None:
-        self.model = model
-        self.engine = SimulatedEngine(model, SimulatedEngineConfig.model_validate(engine), 256)
-        self.api_key = os.environ.get(api_key_env) if api_key_env else None
+def create_mock_app(model: str, engine: dict, api_key: str | None = None) -> Starlette:
+    simulated = SimulatedEngine(model, SimulatedEngineConfig.model_validate(engine), 256)
+    expected_auth = f"Bearer {api_key}" if api_key else None
 
-    @mock_app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        return Response(
-            orjson.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]}),
-            media_type="application/json",
-        )
+    async def models(request: Request) -> Response:
+        listing = {"object": "list", "data": [{"id": model, "object": "model"}]}
+        return Response(orjson.dumps(listing), media_type="application/json")
 
-    @mock_app.post("/v1/chat/completions")
-    async def chat(self, request: Request) -> Response:
-        return await self._serve(request, "chat")
-
-    @mock_app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "completion")
-
-    async def _serve(self, request: Request, kind: Kind) -> Response:
+    async def serve_kind(request: Request, kind: Kind) -> Response:
         try:
-            self._check_key(request.headers.get("authorization", ""))
+            given = request.headers.get("authorization", "")
+            if expected_auth and not hmac.compare_digest(given, expected_auth):
+                raise errors.invalid_api_key()
             body, parsed = protocol.parse_request(await request.body(), _MODELS[kind])
-            if parsed.model != self.model:
+            if parsed.model != model:
                 raise errors.model_not_found(parsed.model)
             request_id = request.headers.get("x-request-id") or "mock"
             if not parsed.stream:
-                response, _ = await self.engine.complete(body, kind, request_id)
+                response, _ = await simulated.complete(body, kind, request_id)
                 return Response(orjson.dumps(response), media_type="application/json")
-            return StreamingResponse(
-                self._stream(body, kind, request_id), media_type="text/event-stream"
-            )
+            return StreamingResponse(stream(body, kind, request_id), media_type="text/event-stream")
         except errors.ForgeError as err:
             return errors.error_response(err)
 
-    async def _stream(self, body: dict, kind: Kind, request_id: str):
-        async for item in self.engine.stream(body, kind, request_id):
+    async def stream(body: dict, kind: Kind, request_id: str):
+        async for item in simulated.stream(body, kind, request_id):
             if not isinstance(item, Usage):
                 yield item
         yield sse.DONE
 
-    def _check_key(self, authorization: str) -> None:
-        if self.api_key is None:
-            return
-        if not hmac.compare_digest(authorization, f"Bearer {self.api_key}"):
-            raise errors.invalid_api_key()
+    async def chat(request: Request) -> Response:
+        return await serve_kind(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await serve_kind(request, "completion")
+
+    return Starlette(
+        routes=[
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
+
+
+@serve.ingress()
+class MockOpenAI:
+    def __init__(self, model: str, engine: dict, api_key_env: str | None = None) -> None:
+        api_key = os.environ.get(api_key_env) if api_key_env else None
+        self._app = create_mock_app(model, engine, api_key)
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return self._app
 
 
 def build_mock(args: dict[str, Any]) -> Application:
     deployment = serve.deployment(MockOpenAI).options(
-        name="mock-openai", ray_actor_options={"num_cpus": 0}
+        name="mock-openai", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024
     )
     return deployment.bind(
         args.get("model", "mock-gemini"), args.get("engine", {}), args.get("api_key_env")
     )
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Serve the mock OpenAI backend without Ray.")
+    parser.add_argument("--port", type=int, default=9100)
+    parser.add_argument("--model", default="mock-gemini")
+    parser.add_argument("--engine", default="{}", help="SimulatedEngineConfig as JSON")
+    args = parser.parse_args()
+    app = create_mock_app(args.model, orjson.loads(args.engine))
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

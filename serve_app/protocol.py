@@ -82,7 +82,7 @@ def parse_request(raw: bytes, model: RequestModel) -> tuple[dict, _SamplingReque
         return body, model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = _param(first["loc"], body)
         if first["type"] == "missing":
             message = f"Missing required parameter: '{param}'."
             code = "missing_required_parameter"
@@ -92,3 +92,19 @@ def parse_request(raw: bytes, model: RequestModel) -> tuple[dict, _SamplingReque
         if param == "n":
             message = "Only n=1 is supported."
         raise errors.invalid_request(message, param=param, code=code) from None
+
+
+def _param(loc: tuple, body: dict) -> str | None:
+    """The field as the client wrote it. Pydantic adds union-member tags to the path
+    (``prompt.str``) that are not fields, so stop where the path leaves the body; a missing
+    last field is kept (``messages.0.role``)."""
+    path, node = [], body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        elif not (isinstance(node, dict) and i == len(loc) - 1):
+            break
+        path.append(str(part))
+    return ".".join(path) or None

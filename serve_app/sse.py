@@ -27,7 +27,9 @@ async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes
     """
     buffer = b""
     async for chunk in chunks:
-        buffer += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+        buffer += chunk
+        if b"\r" in buffer:  # normalise on the buffer: a CRLF may be split across two reads
+            buffer = buffer.replace(b"\r\n", b"\n")
         events = []
         while (end := buffer.find(b"\n\n")) >= 0:
             event, buffer = buffer[: end + 2], buffer[end + 2 :]

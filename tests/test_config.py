@@ -1,0 +1,167 @@
+"""Config validation: the shipped config loads; every mistake names its field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.auth import KeyRing, hash_key
+from serve_app.config import ConfigError, ForgeConfig, load_config
+
+LOCAL_YAML = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
+HASH_A = hash_key("key-a")
+HASH_B = hash_key("key-b")
+
+
+def minimal() -> dict:
+    return {
+        "tenants": [{"name": "alpha", "key_hashes": [HASH_A]}],
+        "pools": [{"model": "m1"}],
+    }
+
+
+def local_args() -> dict:
+    with LOCAL_YAML.open() as f:
+        return yaml.safe_load(f)["applications"][0]["args"]
+
+
+def config_error(args: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(args)
+    return str(info.value)
+
+
+def test_local_yaml_validates():
+    config = load_config(local_args())
+    assert isinstance(config, ForgeConfig)
+    assert [t.name for t in config.tenants] == ["alpha", "beta"]
+    assert config.pools[0].model == "forge-sim-1b"
+    assert config.pools[0].engine.prefill_base_s == 0.02
+    assert config.fallback is not None and config.fallback.api_key_env == "FORGE_FALLBACK_API_KEY"
+
+
+def test_local_yaml_demo_keys_resolve_to_their_tenants():
+    # The keys the config's comment documents must match the hashes it ships.
+    ring = KeyRing(load_config(local_args()).tenants)
+    assert ring.tenant_for("Bearer sk-demo-alpha-local-only").name == "alpha"
+    assert ring.tenant_for("Bearer sk-demo-beta-local-only").name == "beta"
+
+
+def test_minimal_config_gets_defaults():
+    config = load_config(minimal())
+    assert config.pools[0].name == "primary"
+    assert config.pools[0].default_max_tokens == 256
+    assert config.fallback is None
+
+
+def test_missing_args_names_required_sections():
+    message = config_error({})
+    assert "tenants: Field required" in message
+    assert "pools: Field required" in message
+
+
+def test_bad_field_message_names_its_path():
+    args = minimal()
+    args["pools"][0]["engine"] = {"max_num_seqs": 0}
+    message = config_error(args)
+    assert "pools.0.engine.max_num_seqs" in message
+    assert "greater than 0" in message
+
+
+def test_every_bad_field_is_named():
+    args = minimal()
+    args["pools"][0]["default_max_tokens"] = -1
+    args["tenants"][0]["weight"] = 0
+    message = config_error(args)
+    assert "pools.0.default_max_tokens" in message
+    assert "tenants.0.weight" in message
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        (lambda a: a.update(surprise=1), "surprise"),
+        (lambda a: a["pools"][0].update(replicas=2), "pools.0.replicas"),
+        (lambda a: a["pools"][0].update(engine={"max_seqs": 2}), "pools.0.engine.max_seqs"),
+        (lambda a: a["tenants"][0].update(key="x"), "tenants.0.key"),
+    ],
+)
+def test_unknown_keys_are_rejected(where, path):
+    args = minimal()
+    where(args)
+    message = config_error(args)
+    assert f"{path}: Extra inputs are not permitted" in message
+
+
+@pytest.mark.parametrize("bad", ["abc", HASH_A.upper(), HASH_A[:-1], "sk-demo-alpha-local-only"])
+def test_bad_key_hash_is_rejected(bad):
+    args = minimal()
+    args["tenants"][0]["key_hashes"] = [bad]
+    message = config_error(args)
+    assert "tenants.0.key_hashes" in message
+    assert "SHA-256" in message
+
+
+def test_tenant_needs_a_key_hash():
+    args = minimal()
+    args["tenants"][0]["key_hashes"] = []
+    assert "tenants.0.key_hashes" in config_error(args)
+
+
+def test_duplicate_tenant_names_rejected():
+    args = minimal()
+    args["tenants"].append({"name": "alpha", "key_hashes": [HASH_B]})
+    assert "tenants: duplicate names ['alpha']" in config_error(args)
+
+
+def test_duplicate_pool_models_rejected():
+    args = minimal()
+    args["pools"].append({"name": "second", "model": "m1"})
+    assert "pools.model: duplicate names ['m1']" in config_error(args)
+
+
+def test_duplicate_pool_names_rejected():
+    args = minimal()
+    args["pools"].append({"model": "m2"})  # both default to name "primary"
+    assert "pools: duplicate names ['primary']" in config_error(args)
+
+
+def test_key_hash_shared_by_two_tenants_rejected():
+    args = minimal()
+    args["tenants"].append({"name": "beta", "key_hashes": [HASH_B, HASH_A]})
+    assert "one key hash is listed for two tenants" in config_error(args)
+
+
+def test_rotation_two_hashes_for_one_tenant_accepted():
+    args = minimal()
+    args["tenants"][0]["key_hashes"] = [HASH_A, HASH_B]
+    assert load_config(args).tenants[0].key_hashes == [HASH_A, HASH_B]
+
+
+def test_pool_name_fallback_is_reserved():
+    args = minimal()
+    args["pools"][0]["name"] = "fallback"
+    assert "'fallback' is reserved" in config_error(args)
+
+
+def test_output_tokens_max_below_min_rejected():
+    args = minimal()
+    args["pools"][0]["engine"] = {"output_tokens_min": 10, "output_tokens_max": 5}
+    message = config_error(args)
+    assert "pools.0.engine" in message
+    assert "output_tokens_max must be >= output_tokens_min" in message
+
+
+def test_fallback_base_url_must_be_http():
+    args = copy.deepcopy(minimal())
+    args["fallback"] = {"base_url": "ftp://x", "model": "g"}
+    assert "fallback.base_url" in config_error(args)
+
+
+def test_config_is_frozen():
+    config = load_config(minimal())
+    with pytest.raises(ValueError):
+        config.pools[0].default_max_tokens = 1
