@@ -17,7 +17,9 @@ def ring() -> KeyRing:
         [
             TenantConfig(name="alpha", key_hashes=[hash_key("sk-alpha")]),
             # beta is mid-rotation: old and new keys both valid.
-            TenantConfig(name="beta", key_hashes=[hash_key("sk-beta-old"), hash_key("sk-beta-new")]),
+            TenantConfig(
+                name="beta", key_hashes=[hash_key("sk-beta-old"), hash_key("sk-beta-new")]
+            ),
         ]
     )
 

@@ -14,7 +14,12 @@ from serve_app.errors import ForgeError
 def test_body_has_the_openai_shape():
     err = ForgeError(400, "bad", type="invalid_request_error", code="invalid_value", param="n")
     assert err.body() == {
-        "error": {"message": "bad", "type": "invalid_request_error", "code": "invalid_value", "param": "n"}
+        "error": {
+            "message": "bad",
+            "type": "invalid_request_error",
+            "code": "invalid_value",
+            "param": "n",
+        }
     }
     assert str(err) == "bad"
 
@@ -35,7 +40,12 @@ def test_code_and_param_default_to_null():
         (errors.invalid_api_key(), 401, "invalid_request_error", "invalid_api_key"),
         (errors.model_not_found("gpt-x"), 404, "invalid_request_error", "model_not_found"),
         (errors.not_found("/v2"), 404, "invalid_request_error", "not_found"),
-        (errors.method_not_allowed("GET", "/v1/x"), 405, "invalid_request_error", "method_not_allowed"),
+        (
+            errors.method_not_allowed("GET", "/v1/x"),
+            405,
+            "invalid_request_error",
+            "method_not_allowed",
+        ),
         (errors.payload_too_large(10), 413, "invalid_request_error", "request_too_large"),
         (errors.internal_error(), 500, "api_error", "internal_error"),
         (errors.bad_gateway(), 502, "api_error", "bad_gateway"),
@@ -103,7 +113,12 @@ def test_error_event_is_an_sse_frame_with_the_body():
 def test_pickle_round_trip_keeps_every_field():
     # Replicas raise ForgeErrors across Ray's process boundary.
     err = ForgeError(
-        503, "busy", type="api_error", code="backend_unavailable", param="p", headers={"retry-after": "3"}
+        503,
+        "busy",
+        type="api_error",
+        code="backend_unavailable",
+        param="p",
+        headers={"retry-after": "3"},
     )
     copy = pickle.loads(pickle.dumps(err))
     assert isinstance(copy, ForgeError)

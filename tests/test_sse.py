@@ -54,9 +54,7 @@ async def test_crlf_line_ends_are_normalised():
 
 async def test_crlf_split_between_cr_and_lf():
     # A read may end between \r and \n; the two events must still come out separate.
-    assert await split(b"data: 1\r\n\r", b"\ndata: 2\r\n\r\n") == [
-        [b"data: 1\n\n", b"data: 2\n\n"]
-    ]
+    assert await split(b"data: 1\r\n\r", b"\ndata: 2\r\n\r\n") == [[b"data: 1\n\n", b"data: 2\n\n"]]
 
 
 async def test_trailing_event_without_blank_line_is_flushed():

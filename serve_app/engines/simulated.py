@@ -8,6 +8,7 @@ chunk with ``finish_reason``, and a usage chunk with empty ``choices`` when aske
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -89,14 +90,16 @@ class SimulatedEngine(Engine):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
         completion_tokens = cached = 0
-        async for out in tokens:
-            if completion_tokens == 0 and kind == "chat":
-                yield chunk.role()  # like vLLM: with the first token, after prefill
-            completion_tokens += 1
-            cached = out.num_cached_tokens
-            yield chunk.token(out.text)
-            if out.finish_reason is not None:
-                yield chunk.finish(out.finish_reason)
+        # Closing this stream must abort the request now, not when the GC finalises `tokens`.
+        async with contextlib.aclosing(tokens):
+            async for out in tokens:
+                if completion_tokens == 0 and kind == "chat":
+                    yield chunk.role()  # like vLLM: with the first token, after prefill
+                completion_tokens += 1
+                cached = out.num_cached_tokens
+                yield chunk.token(out.text)
+                if out.finish_reason is not None:
+                    yield chunk.finish(out.finish_reason)
         usage = Usage(len(ids), completion_tokens, cached)
         if include_usage:
             yield chunk.usage(usage)

@@ -1,0 +1,219 @@
+"""What the gateway costs: TTFT, server CPU per request and req/s, gateway vs straight to the
+backend, streaming chat, at concurrency 1, 16 and 64, with a zero-delay and a realistic engine.
+
+    python -m loadtest.overhead [--quick] [--out loadtest/results/overhead.json]
+
+The server side (Ray and everything it starts, or the bare backend) is pinned to core 0 and this
+load generator to core 1, so "CPU per request" is the server's own. The direct baseline is the
+same simulated engine behind the same OpenAI surface, served by uvicorn without Ray
+(``python -m serve_app.mock_openai``); the gateway path is client → Serve proxy → gateway
+replica (full pipeline) → handle → replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.http_load import closed_loop
+from loadtest.serve_forge import BENCH_KEY
+
+ENGINES = {
+    "zero": {"output_tokens_min": 16, "output_tokens_max": 16},
+    "realistic": {
+        "prefill_base_s": 0.02,
+        "prefill_per_token_s": 0.0001,
+        "decode_base_s": 0.01,
+        "decode_per_seq_s": 0.0005,
+        "output_tokens_min": 16,
+        "output_tokens_max": 16,
+    },
+}
+BODY = {
+    "model": "forge-sim",
+    "messages": [{"role": "user", "content": "Say sixteen words about gateways."}],
+    "max_tokens": 16,
+    "stream": True,
+}
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree_cpu_seconds(root: int) -> float:
+    """User+system CPU of a process and all its descendants (Ray's workers included)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid, ppid = int(entry.name), int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        stats[pid] = (int(fields[11]) + int(fields[12])) / _TICK
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def _wait_ready(url: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up")
+
+
+class Server:
+    """A pinned server process (its whole tree is measured)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", "0", sys.executable, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def read_ready(self) -> list[str]:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("READY"):
+                return line.split()[1:]
+        raise RuntimeError("server exited before it was ready")
+
+    def cpu(self) -> float:
+        return _tree_cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _measure(server: Server, url: str, concurrency: int, quick: bool) -> dict:
+    # Warm up (connections, JIT-free but caches and Serve's routers).
+    await closed_loop(
+        url, BODY, concurrency=concurrency, requests=concurrency * 3, api_key=BENCH_KEY
+    )
+    cpu0 = server.cpu()
+    if concurrency == 1:
+        run = await closed_loop(
+            url, BODY, concurrency=1, requests=40 if quick else 150, api_key=BENCH_KEY
+        )
+    else:
+        run = await closed_loop(
+            url, BODY, concurrency=concurrency, duration_s=4 if quick else 10, api_key=BENCH_KEY
+        )
+    cpu = server.cpu() - cpu0
+    summary = run.summary()
+    summary["server_cpu_ms_per_req"] = cpu * 1000 / max(1, summary["ok"])
+    summary["server_cpu_util"] = cpu / run.wall_s
+    return summary
+
+
+async def _bench_path(
+    path: str,
+    engine_name: str,
+    concurrencies: list[int],
+    quick: bool,
+    env: dict[str, str] | None = None,
+) -> list[dict]:
+    port = _free_port()
+    engine = json.dumps(ENGINES[engine_name])
+    if path == "direct":
+        server = Server(
+            [
+                "-m",
+                "serve_app.mock_openai",
+                "--port",
+                str(port),
+                "--model",
+                "forge-sim",
+                "--engine",
+                engine,
+            ]
+        )
+        _wait_ready(f"http://127.0.0.1:{port}/v1/models")
+        urls = {"direct": f"http://127.0.0.1:{port}/v1/chat/completions"}
+    else:
+        server = Server(
+            ["-m", "loadtest.serve_forge", "--port", str(port), "--engine", engine], env=env
+        )
+        proxy, direct_ingress = server.read_ready()
+        urls = {path: f"{proxy}/v1/chat/completions"}
+        if direct_ingress != "-":
+            urls[path + "+direct-ingress"] = f"{direct_ingress}/v1/chat/completions"
+    rows = []
+    try:
+        for label, url in urls.items():
+            for c in concurrencies:
+                summary = await _measure(server, url, c, quick)
+                rows.append({"path": label, "engine": engine_name, "concurrency": c, **summary})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+async def main_async(args: argparse.Namespace) -> list[dict]:
+    os.sched_setaffinity(0, {1})
+    rows: list[dict] = []
+    modes = {
+        "gateway": None,
+        "gateway-throughput-optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+    }
+    for engine_name in args.engines:
+        rows += await _bench_path("direct", engine_name, args.concurrency, args.quick)
+        for mode in args.modes:
+            rows += await _bench_path(mode, engine_name, args.concurrency, args.quick, modes[mode])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--modes", nargs="+", default=["gateway", "gateway-throughput-optimized"])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--out", default="loadtest/results/overhead.json")
+    args = parser.parse_args()
+    rows = asyncio.run(main_async(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "command": " ".join(["python -m loadtest.overhead", *sys.argv[1:]]),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

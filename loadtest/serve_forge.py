@@ -1,0 +1,82 @@
+"""Run Forge in this process for a benchmark: ``python -m loadtest.serve_forge --port N ...``.
+
+Prints one line ``READY <proxy-url> <direct-ingress-url or ->`` when it serves, then serves until
+killed. Started by the benchmarks (pinned with taskset), never by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+BENCH_KEY = "sk-bench-local-only"
+
+
+def forge_args(engine: dict, replicas: int, max_num_seqs: int) -> dict:
+    return {
+        "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
+        "tenants": [
+            {"name": "bench", "key_hashes": [hashlib.sha256(BENCH_KEY.encode()).hexdigest()]}
+        ],
+        "pools": [
+            {
+                "name": "primary",
+                "model": "forge-sim",
+                "engine": {**engine, "max_num_seqs": max_num_seqs},
+                "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
+            }
+        ],
+    }
+
+
+def _direct_ingress_url() -> str:
+    """The gateway replica's own port when Serve runs with direct ingress, else '-'."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        details = _get_global_client().get_serve_details()
+        for group in details.get("target_groups", []):
+            if group.get("app_name") == "forge" and group.get("protocol", "HTTP") == "HTTP":
+                for target in group.get("targets", []):
+                    return f"http://{target['ip']}:{target['port']}"
+    except Exception:  # older Serve or no direct ingress
+        pass
+    return "-"
+
+
+def main() -> None:
+    import orjson
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--engine", default="{}")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    ray.init(num_cpus=1, object_store_memory=100 * 1024 * 1024, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    app = build_app(forge_args(orjson.loads(args.engine), args.replicas, args.max_num_seqs))
+    serve.run(app, name="forge", route_prefix="/")
+    time.sleep(2)  # let the proxy learn the routes
+    print(f"READY http://127.0.0.1:{args.port} {_direct_ingress_url()}", flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    serve.shutdown()
+    ray.shutdown()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""SimulatedEngine: vLLM-shaped OpenAI chunks over SimulatedLLM, in pure asyncio (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import orjson
+import pytest
+
+from serve_app import tokenizer
+from serve_app.config import SimulatedEngineConfig
+from serve_app.engines.base import Usage
+from serve_app.engines.simulated import SimulatedEngine, prompt_text
+from serve_app.errors import ForgeError
+
+MODEL = "sim-model"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time"}
+
+EngineFactory = Callable[..., SimulatedEngine]
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[EngineFactory]:
+    engines: list[SimulatedEngine] = []
+
+    def make(default_max_tokens: int = 64, **config) -> SimulatedEngine:
+        config = {"output_tokens_min": 4, "output_tokens_max": 12, **config}
+        engine = SimulatedEngine(MODEL, SimulatedEngineConfig(**config), default_max_tokens)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.shutdown()
+
+
+@pytest.fixture
+def engine(make_engine: EngineFactory) -> SimulatedEngine:
+    return make_engine()
+
+
+async def collect(engine, body: dict, kind="chat", request_id="req-1") -> tuple[list[dict], Usage]:
+    """The stream's frames decoded as JSON, and its final Usage; checks the item contract."""
+    items = [item async for item in engine.stream(body, kind, request_id)]
+    *frames, usage = items
+    assert isinstance(usage, Usage)
+    for frame in frames:
+        assert type(frame) is bytes
+        assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+        assert frame.count(b"\n\n") == 1
+    return [orjson.loads(f[len(b"data: ") :]) for f in frames], usage
+
+
+def content_of(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+async def test_chat_stream_frames_then_exactly_one_usage_last(engine):
+    chunks, usage = await collect(engine, CHAT)
+    assert len(chunks) == usage.completion_tokens + 2  # role chunk + one per token + finish
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert {c["id"] for c in chunks} == {"chatcmpl-req-1"}
+    assert {c["model"] for c in chunks} == {MODEL}
+
+
+async def test_role_chunk_first_then_content_then_finish(engine):
+    chunks, _ = await collect(engine, CHAT)
+    first = chunks[0]["choices"][0]
+    assert first["delta"] == {"role": "assistant", "content": ""}
+    assert first["finish_reason"] is None
+    for chunk in chunks[1:-1]:
+        choice = chunk["choices"][0]
+        assert set(choice["delta"]) == {"content"} and choice["delta"]["content"]
+        assert choice["finish_reason"] is None
+    last = chunks[-1]["choices"][0]
+    assert last["delta"] == {} and last["finish_reason"] == "stop"
+
+
+async def test_stream_deltas_equal_complete_content(engine):
+    chunks, usage = await collect(engine, CHAT)
+    response, complete_usage = await engine.complete(CHAT, "chat", "req-2")
+    assert content_of(chunks) == response["choices"][0]["message"]["content"]
+    assert usage == complete_usage
+
+
+async def test_complete_chat_response_shape(engine):
+    response, usage = await engine.complete(CHAT, "chat", "abc")
+    assert response["id"] == "chatcmpl-abc"
+    assert response["object"] == "chat.completion"
+    assert response["model"] == MODEL
+    choice = response["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "stop"
+    assert response["usage"] == usage.to_openai()
+    assert response["usage"]["total_tokens"] == usage.prompt_tokens + usage.completion_tokens
+
+
+async def test_include_usage_adds_usage_frame_and_null_usage_elsewhere(engine):
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    chunks, usage = await collect(engine, body)
+    *token_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == usage.to_openai()
+    assert usage_chunk["id"] == "chatcmpl-req-1"
+    for chunk in token_chunks:
+        assert "usage" in chunk and chunk["usage"] is None
+
+
+async def test_without_include_usage_no_usage_anywhere(engine):
+    chunks, usage = await collect(engine, {**CHAT, "stream": True})
+    assert all("usage" not in c for c in chunks)
+    assert all(c["choices"] for c in chunks)
+    assert usage.completion_tokens > 0  # still reported to the gateway, for metering
+
+
+async def test_completion_stream_frames_have_text(engine):
+    chunks, usage = await collect(engine, COMPLETION, kind="completion")
+    assert len(chunks) == usage.completion_tokens + 1  # no role chunk for completions
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert all("text" in c["choices"][0] and "delta" not in c["choices"][0] for c in chunks)
+    assert chunks[0]["id"] == "cmpl-req-1"
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    response, _ = await engine.complete(COMPLETION, "completion", "req-2")
+    assert response["object"] == "text_completion"
+    assert response["choices"][0]["text"] == text
+
+
+async def test_small_max_tokens_finishes_with_length(engine):
+    chunks, usage = await collect(engine, {**CHAT, "max_tokens": 2})
+    assert usage.completion_tokens == 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    response, _ = await engine.complete({**CHAT, "max_tokens": 2}, "chat", "r")
+    assert response["choices"][0]["finish_reason"] == "length"
+
+
+async def test_max_completion_tokens_wins_over_max_tokens(engine):
+    _, usage = await collect(engine, {**CHAT, "max_tokens": 50, "max_completion_tokens": 1})
+    assert usage.completion_tokens == 1
+
+
+async def test_default_max_tokens_applies(make_engine):
+    engine = make_engine(default_max_tokens=3, output_tokens_min=10, output_tokens_max=10)
+    _, usage = await collect(engine, CHAT)
+    assert usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_prompt_tokens_match_the_gateway_tokenizer(engine, kind):
+    body = CHAT if kind == "chat" else COMPLETION
+    _, usage = await collect(engine, body, kind=kind)
+    assert usage.prompt_tokens == tokenizer.count_tokens(prompt_text(body, kind))
+    _, complete_usage = await engine.complete(body, kind, "r2")
+    assert complete_usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_prompt_text_of_completion_list():
+    assert prompt_text({"prompt": ["only one"]}, "completion") == "only one"
+    assert prompt_text(CHAT, "chat") == tokenizer.render_chat(CHAT["messages"])
+
+
+async def test_prompt_over_max_model_len_is_400(make_engine):
+    engine = make_engine(max_model_len=32)
+    body = {"model": MODEL, "prompt": "word " * 40, "max_tokens": 1}
+    with pytest.raises(ForgeError) as info:
+        await collect(engine, body, kind="completion")
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "prompt")
+    assert "maximum context length is 32 tokens" in err.message
+    with pytest.raises(ForgeError) as info:
+        await engine.complete(body, "completion", "r")
+    assert info.value.code == "context_length_exceeded"
+
+
+async def test_prompt_plus_max_tokens_over_max_model_len_is_400(make_engine):
+    engine = make_engine(max_model_len=32)
+    with pytest.raises(ForgeError) as info:
+        await collect(engine, {**CHAT, "max_tokens": 30})
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
+
+
+async def test_request_larger_than_kv_cache_is_400(make_engine):
+    engine = make_engine(num_kv_blocks=2, block_size=16)  # 32 tokens of cache, 8192 of context
+    with pytest.raises(ForgeError) as info:
+        await collect(engine, {**CHAT, "max_tokens": 100})
+    assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
+
+
+async def test_same_client_request_id_concurrently(make_engine):
+    engine = make_engine(decode_base_s=0.001)
+    (a, usage_a), (b, usage_b) = await asyncio.gather(
+        collect(engine, CHAT, request_id="dup"), collect(engine, CHAT, request_id="dup")
+    )
+    assert usage_a == usage_b and usage_a.completion_tokens > 0
+    assert content_of(a) == content_of(b)
+    assert a[0]["id"] == b[0]["id"] == "chatcmpl-dup"  # the client's id is kept in the output
+
+
+async def test_ignore_eos_generates_exactly_max_tokens(engine):
+    chunks, usage = await collect(engine, {**CHAT, "ignore_eos": True, "max_tokens": 200})
+    assert usage.completion_tokens == 200
+    assert len([c for c in chunks if c["choices"][0]["delta"].get("content")]) == 200
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_same_seed_same_text_different_seed_differs(engine):
+    body = {**CHAT, "max_tokens": 12}
+    first, _ = await collect(engine, {**body, "seed": 1})
+    again, _ = await collect(engine, {**body, "seed": 1})
+    other, _ = await collect(engine, {**body, "seed": 2})
+    assert content_of(first) == content_of(again)
+    assert content_of(first) != content_of(other)
+
+
+async def test_stats_reflect_an_open_stream(make_engine):
+    engine = make_engine(decode_base_s=0.005, max_num_seqs=3)
+    assert engine.stats().num_requests_running == 0
+    stream = engine.stream({**CHAT, "ignore_eos": True, "max_tokens": 100}, "chat", "r")
+    await anext(stream)  # the role chunk arrives with the first token, after prefill
+    stats = engine.stats()
+    assert stats.num_requests_running == 1
+    assert stats.num_requests_waiting == 0
+    assert stats.max_num_seqs == 3
+    assert stats.kv_cache_usage_perc > 0
+    assert stats.prefix_cache_queries == tokenizer.count_tokens(prompt_text(CHAT, "chat"))
+    await stream.aclose()  # closing the stream aborts the request and frees its slot
+    assert engine.stats().num_requests_running == 0
+    assert engine.stats().kv_cache_usage_perc == 0
+
+
+async def test_cancelling_the_consumer_frees_the_slot(make_engine):
+    # How the replica aborts: it cancels the task that iterates the engine's stream.
+    engine = make_engine(decode_base_s=0.005)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.stream({**CHAT, "ignore_eos": True, "max_tokens": 100}, "chat", "r"):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    assert engine.stats().num_requests_running == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert engine.stats().num_requests_running == 0

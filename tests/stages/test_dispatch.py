@@ -1,0 +1,241 @@
+"""Dispatch: route by model, fail over before the first byte, end honestly after it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from serve_app import errors, sse
+from serve_app.errors import ForgeError
+from serve_app.pipeline import RequestContext
+from serve_app.protocol import ChatCompletionRequest
+from serve_app.stages.dispatch import Dispatch
+
+MODEL = "forge-sim"
+USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+
+
+def chunk(text: str) -> bytes:
+    return sse.frame({"object": "chat.completion.chunk", "choices": [{"delta": {"content": text}}]})
+
+
+class FakeBackend:
+    """A Backend double: streams the given batches, raising where told to."""
+
+    def __init__(
+        self,
+        name: str,
+        batches: list[list] | None = None,
+        *,
+        fail_before: ForgeError | None = None,
+        fail_after: ForgeError | None = None,
+        response: dict | None = None,
+        replica: str | None = "replica-1",
+    ) -> None:
+        self.name = name
+        self.batches = batches or []
+        self.fail_before = fail_before
+        self.fail_after = fail_after
+        self.response = response or {"id": name, "choices": [], "usage": USAGE}
+        self.replica = replica
+        self.calls: list[tuple] = []
+        self.closed = False
+
+    async def stream(self, body: dict, kind: str, request_id: str) -> AsyncIterator[list]:
+        self.calls.append((body, kind, request_id))
+        try:
+            if self.fail_before:
+                raise self.fail_before
+            for batch in self.batches:
+                yield batch
+            if self.fail_after:
+                raise self.fail_after
+        finally:
+            self.closed = True
+
+    async def complete(self, body: dict, kind: str, request_id: str) -> dict:
+        self.calls.append((body, kind, request_id))
+        if self.fail_before:
+            raise self.fail_before
+        return {"response": self.response, "replica": self.replica}
+
+    async def ready(self) -> bool:
+        return True
+
+
+def make_ctx(stream: bool = True, model: str = MODEL) -> RequestContext:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    request = Request(
+        {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    )
+    return RequestContext(
+        request=request,
+        route="chat",
+        request_id="req-1",
+        body=body,
+        parsed=ChatCompletionRequest.model_validate(body),
+    )
+
+
+async def body_of(response: StreamingResponse) -> list[bytes]:
+    return [part async for part in response.body_iterator]
+
+
+async def test_unknown_model_is_404():
+    primary = FakeBackend("primary")
+    dispatch = Dispatch({MODEL: [primary]})
+    with pytest.raises(ForgeError) as info:
+        await dispatch(make_ctx(model="gpt-unknown"))
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
+    assert "gpt-unknown" in info.value.message
+    assert primary.calls == []
+
+
+async def test_model_with_no_backends_is_404():
+    with pytest.raises(ForgeError) as info:
+        await Dispatch({MODEL: []})(make_ctx())
+    assert info.value.status == 404
+
+
+async def test_normal_stream_relays_frames_and_ends_with_done():
+    primary = FakeBackend("primary", [[chunk("a"), chunk("b")], [chunk("c")]])
+    ctx = make_ctx()
+    response = await Dispatch({MODEL: [primary]})(ctx)
+    assert isinstance(response, StreamingResponse)
+    assert response.media_type == "text/event-stream"
+    assert response.headers["x-forge-backend"] == "primary"
+    assert response.headers["cache-control"] == "no-cache"
+    parts = await body_of(response)
+    assert parts == [chunk("a") + chunk("b"), chunk("c"), b"data: [DONE]\n\n"]
+    assert ctx.backend == "primary"
+    assert ctx.first_byte_at is not None
+    assert ctx.stream_error is None
+    assert primary.calls == [(ctx.body, "chat", "req-1")]
+
+
+async def test_metadata_is_stripped_from_bytes_and_recorded_on_ctx():
+    primary = FakeBackend(
+        "primary",
+        [[{"replica": "replica-7"}, chunk("a")], [chunk("b"), {"usage": USAGE}]],
+    )
+    ctx = make_ctx()
+    response = await Dispatch({MODEL: [primary]})(ctx)
+    assert response.headers["x-forge-replica"] == "replica-7"
+    body = b"".join(await body_of(response))
+    assert body == chunk("a") + chunk("b") + sse.DONE
+    assert b"replica-7" not in body and b"prompt_tokens" not in body
+    assert ctx.replica == "replica-7"
+    assert ctx.usage == USAGE
+
+
+async def test_metadata_only_batches_write_nothing():
+    primary = FakeBackend("primary", [[{"replica": "r"}], [chunk("a")], [{"usage": USAGE}]])
+    response = await Dispatch({MODEL: [primary]})(make_ctx())
+    assert await body_of(response) == [chunk("a"), sse.DONE]
+
+
+async def test_5xx_before_first_item_fails_over_to_fallback():
+    primary = FakeBackend("primary", fail_before=errors.bad_gateway("replica died"))
+    fallback = FakeBackend("fallback", [[chunk("from fallback")]])
+    ctx = make_ctx()
+    response = await Dispatch({MODEL: [primary, fallback]})(ctx)
+    assert ctx.backend == "fallback"
+    assert response.headers["x-forge-backend"] == "fallback"
+    assert await body_of(response) == [chunk("from fallback"), sse.DONE]
+    assert len(primary.calls) == len(fallback.calls) == 1
+
+
+async def test_4xx_from_primary_is_raised_not_failed_over():
+    bad = errors.invalid_request("too long", code="context_length_exceeded")
+    primary = FakeBackend("primary", fail_before=bad)
+    fallback = FakeBackend("fallback", [[chunk("x")]])
+    with pytest.raises(ForgeError) as info:
+        await Dispatch({MODEL: [primary, fallback]})(make_ctx())
+    assert info.value is bad
+    assert fallback.calls == []
+
+
+async def test_all_failing_raises_the_last_error():
+    primary = FakeBackend("primary", fail_before=errors.bad_gateway())
+    fallback = FakeBackend("fallback", fail_before=errors.upstream_timeout())
+    with pytest.raises(ForgeError) as info:
+        await Dispatch({MODEL: [primary, fallback]})(make_ctx())
+    assert (info.value.status, info.value.code) == (504, "upstream_timeout")
+
+
+async def test_error_after_first_item_ends_stream_with_error_event_and_no_done():
+    late = errors.bad_gateway("replica died mid-stream")
+    primary = FakeBackend("primary", [[chunk("a")], [chunk("b")]], fail_after=late)
+    fallback = FakeBackend("fallback", [[chunk("never")]])
+    ctx = make_ctx()
+    response = await Dispatch({MODEL: [primary, fallback]})(ctx)
+    parts = await body_of(response)
+    assert parts == [chunk("a"), chunk("b"), errors.error_event(late)]
+    assert orjson.loads(parts[-1][len(b"data: ") :]) == late.body()
+    assert sse.DONE not in b"".join(parts)
+    assert ctx.stream_error == "replica died mid-stream"
+    assert ctx.backend == "primary"
+    assert fallback.calls == []  # text already sent is never spliced with another backend's
+
+
+async def test_client_going_away_closes_the_backend_stream():
+    primary = FakeBackend("primary", [[chunk("a")], [chunk("b")], [chunk("c")]])
+    response = await Dispatch({MODEL: [primary]})(make_ctx())
+    iterator = response.body_iterator
+    assert await anext(iterator) == chunk("a")
+    await iterator.aclose()
+    assert primary.closed
+
+
+async def test_empty_stream_still_ends_with_done():
+    response = await Dispatch({MODEL: [FakeBackend("primary", [])]})(make_ctx())
+    assert await body_of(response) == [sse.DONE]
+
+
+async def test_non_streaming_returns_json_with_backend_headers():
+    response_body = {
+        "id": "chatcmpl-1",
+        "choices": [{"message": {"content": "hi"}}],
+        "usage": USAGE,
+    }
+    primary = FakeBackend("primary", response=response_body, replica="replica-3")
+    ctx = make_ctx(stream=False)
+    response = await Dispatch({MODEL: [primary]})(ctx)
+    assert response.media_type == "application/json"
+    assert orjson.loads(response.body) == response_body
+    assert response.headers["x-forge-backend"] == "primary"
+    assert response.headers["x-forge-replica"] == "replica-3"
+    assert (ctx.backend, ctx.replica, ctx.usage) == ("primary", "replica-3", USAGE)
+    assert primary.calls == [(ctx.body, "chat", "req-1")]
+
+
+async def test_non_streaming_fails_over_on_5xx_without_replica_header():
+    primary = FakeBackend("primary", fail_before=errors.backend_unavailable())
+    fallback = FakeBackend("fallback", replica=None)
+    ctx = make_ctx(stream=False)
+    response = await Dispatch({MODEL: [primary, fallback]})(ctx)
+    assert response.headers["x-forge-backend"] == "fallback"
+    assert "x-forge-replica" not in response.headers
+    assert orjson.loads(response.body)["id"] == "fallback"
+    assert ctx.backend == "fallback"
+
+
+async def test_non_streaming_4xx_is_raised_not_failed_over():
+    primary = FakeBackend("primary", fail_before=errors.invalid_request("bad"))
+    fallback = FakeBackend("fallback")
+    with pytest.raises(ForgeError) as info:
+        await Dispatch({MODEL: [primary, fallback]})(make_ctx(stream=False))
+    assert info.value.status == 400
+    assert fallback.calls == []
+
+
+async def test_non_streaming_all_failing_raises_the_last_error():
+    primary = FakeBackend("primary", fail_before=errors.upstream_timeout())
+    fallback = FakeBackend("fallback", fail_before=errors.bad_gateway())
+    with pytest.raises(ForgeError) as info:
+        await Dispatch({MODEL: [primary, fallback]})(make_ctx(stream=False))
+    assert info.value.status == 502
