@@ -129,8 +129,13 @@ async def closed_loop(
     duration_s: float | None = None,
     requests: int | None = None,
     api_key: str | None = None,
+    keep_alive: bool = True,
 ) -> RunResult:
-    """``concurrency`` workers, each sending the next request when the last one ends."""
+    """``concurrency`` workers, each sending the next request when the last one ends.
+
+    With ``keep_alive=False`` each worker closes its connection right after the response ends
+    (after ``[DONE]``), as many SDK users with a client per request do.
+    """
     parts = urlsplit(url)
     payload = orjson.dumps(body)
     headers = {"content-type": "application/json"}
@@ -153,6 +158,8 @@ async def closed_loop(
                     remaining -= 1
                 try:
                     result.samples.append(await conn.request("POST", parts.path, headers, payload))
+                    if not keep_alive:
+                        conn.close()
                 except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError):
                     result.errors += 1
                     conn.close()

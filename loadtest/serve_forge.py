@@ -36,21 +36,6 @@ def forge_args(engine: dict, replicas: int, max_num_seqs: int) -> dict:
     }
 
 
-def _direct_ingress_url() -> str:
-    """The gateway replica's own port when Serve runs with direct ingress, else '-'."""
-    try:
-        from ray.serve.context import _get_global_client
-
-        details = _get_global_client().get_serve_details()
-        for group in details.get("target_groups", []):
-            if group.get("app_name") == "forge" and group.get("protocol", "HTTP") == "HTTP":
-                for target in group.get("targets", []):
-                    return f"http://{target['ip']}:{target['port']}"
-    except Exception:  # older Serve or no direct ingress
-        pass
-    return "-"
-
-
 def main() -> None:
     import orjson
 
@@ -64,6 +49,7 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from serve_app import replica_admin
     from serve_app.app import build_app
 
     ray.init(num_cpus=1, object_store_memory=100 * 1024 * 1024, include_dashboard=False)
@@ -71,7 +57,8 @@ def main() -> None:
     app = build_app(forge_args(orjson.loads(args.engine), args.replicas, args.max_num_seqs))
     serve.run(app, name="forge", route_prefix="/")
     time.sleep(2)  # let the proxy learn the routes
-    print(f"READY http://127.0.0.1:{args.port} {_direct_ingress_url()}", flush=True)
+    direct = replica_admin.direct_ingress_url("forge") or "-"
+    print(f"READY http://127.0.0.1:{args.port} {direct}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     serve.shutdown()
     ray.shutdown()

@@ -57,3 +57,15 @@ def set_fault_all(app: str, deployment: str, spec: dict | None) -> list[str]:
     for r in ids:
         set_fault(app, deployment, r, spec)
     return ids
+
+
+def direct_ingress_url(app: str) -> str | None:
+    """The HTTP URL of one of the app's ingress replicas when Serve runs with direct ingress."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    for group in details.get("target_groups", []):
+        if group.get("app_name") == app and group.get("protocol", "HTTP") == "HTTP":
+            for target in group.get("targets", []):
+                return f"http://{target['ip']}:{target['port']}"
+    return None

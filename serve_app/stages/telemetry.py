@@ -18,7 +18,8 @@ from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext
 
 logger = logging.getLogger("ray.serve")
-access_log = logging.getLogger("forge.access")
+# A child of Serve's logger: lands in the replica's log file, tagged with the request id.
+access_log = logging.getLogger("ray.serve.forge.access")
 
 
 class TelemetryStage:

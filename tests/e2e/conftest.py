@@ -101,7 +101,7 @@ def forge_url():
             pass
         time.sleep(0.5)
     yield url
-    serve.shutdown()
+    # No serve.shutdown(): direct-ingress replicas drain for 30 s; the session is over anyway.
     ray.shutdown()
 
 

@@ -1,0 +1,169 @@
+"""The store: what the gateway keeps outside a request, shared by every gateway replica.
+
+Token buckets (quotas), stream leases (concurrent-stream caps), byte entries with a TTL (the
+response cache) and counter hashes (metering). Two implementations keep one contract: Redis for a
+cluster of gateway replicas, and an embedded in-process store for a laptop. Quotas and the cache
+are conveniences, so every backend failure surfaces as ``StoreError`` and the gateway fails open
+with a single ``except StoreError``; bad arguments are programming errors and raise ``ValueError``.
+
+Bucket arithmetic (both stores): a bucket starts full; its level refills continuously,
+``level = min(capacity, level + elapsed * refill_per_s)``; a take of ``amount`` succeeds when
+``level >= amount``. ``adjust`` may push the level below zero (a charged overshoot): that debt is
+repaid by refill before the bucket grants again. Keys are namespaced by the caller
+(``quota:{tenant}:rpm``); in a Redis Cluster every bucket of one ``take`` must share a hash slot,
+so put the tenant in a ``{hash tag}``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+# A take compares floats that went through refill arithmetic; forgive rounding noise so a bucket
+# refilled to exactly ``amount`` grants.
+EPSILON = 1e-9
+
+# A bucket key lives twice as long as a refill from its current level to full: by then the bucket
+# would be full anyway, so expiry is invisible. Bounded on both sides: at least a few seconds, and
+# at most a day, so a tenant that went away (or a bucket with no refill) cannot pin a key forever.
+MIN_BUCKET_TTL_S = 5.0
+MAX_BUCKET_TTL_S = 86_400.0
+
+
+class StoreError(Exception):
+    """The store failed (unreachable, timed out, script or type error). The caller fails open."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A token bucket: ``capacity`` is the burst, ``refill_per_s`` the sustained rate."""
+
+    key: str
+    capacity: float
+    refill_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ValueError("Bucket.key must not be empty")
+        if not (self.capacity >= 0 and math.isfinite(self.capacity)):
+            raise ValueError(f"Bucket.capacity must be finite and >= 0, got {self.capacity}")
+        if not (self.refill_per_s >= 0 and math.isfinite(self.refill_per_s)):
+            raise ValueError(
+                f"Bucket.refill_per_s must be finite and >= 0, got {self.refill_per_s}"
+            )
+
+    def refilled(self, level: float, elapsed_s: float) -> float:
+        """The level after ``elapsed_s`` seconds of continuous refill."""
+        return min(self.capacity, level + max(0.0, elapsed_s) * self.refill_per_s)
+
+    def ttl_s(self, level: float) -> float:
+        """How long the key for this bucket at ``level`` must live (see ``MIN_BUCKET_TTL_S``)."""
+        if self.refill_per_s <= 0:
+            return MAX_BUCKET_TTL_S
+        to_full = 2 * (self.capacity - level) / self.refill_per_s
+        return min(MAX_BUCKET_TTL_S, max(MIN_BUCKET_TTL_S, to_full))
+
+
+@dataclass(frozen=True, slots=True)
+class TakeResult:
+    """The outcome of an all-or-nothing take across buckets.
+
+    ``remaining`` holds each bucket's level after the take, or its untouched level if the take was
+    refused. ``retry_after_s`` is 0 when granted; otherwise the seconds until every bucket could
+    cover its amount, ``inf`` when one never can (amount above capacity, or no refill).
+    """
+
+    granted: bool
+    remaining: tuple[float, ...]
+    retry_after_s: float
+
+
+def check_take(buckets: Sequence[Bucket], amounts: Sequence[float]) -> None:
+    if not buckets:
+        raise ValueError("take needs at least one bucket")
+    if len(buckets) != len(amounts):
+        raise ValueError(f"{len(buckets)} buckets but {len(amounts)} amounts")
+    for amount in amounts:
+        if not (amount >= 0 and math.isfinite(amount)):
+            raise ValueError(f"take amounts must be finite and >= 0, got {amount}; use adjust")
+
+
+def check_ttl(ttl_s: float) -> None:
+    if not (ttl_s > 0 and math.isfinite(ttl_s)):
+        raise ValueError(f"ttl_s must be finite and > 0, got {ttl_s}")
+
+
+def covers(level: float, amount: float) -> bool:
+    return level + EPSILON >= amount
+
+
+def retry_after(
+    buckets: Sequence[Bucket], amounts: Sequence[float], levels: Sequence[float]
+) -> float:
+    """Seconds until every bucket holds its amount: the slowest bucket's deficit over its rate."""
+    wait = 0.0
+    for bucket, amount, level in zip(buckets, amounts, levels, strict=True):
+        if covers(level, amount):
+            continue
+        if amount > bucket.capacity + EPSILON or bucket.refill_per_s <= 0:
+            return math.inf
+        wait = max(wait, (amount - level) / bucket.refill_per_s)
+    return wait
+
+
+class Store(ABC):
+    """Shared gateway state. Every method raises ``StoreError`` when the backend fails."""
+
+    @abstractmethod
+    async def take(self, buckets: Sequence[Bucket], amounts: Sequence[float]) -> TakeResult:
+        """Take ``amounts[i]`` from ``buckets[i]`` for every i, or nothing at all."""
+
+    @abstractmethod
+    async def adjust(self, bucket: Bucket, delta: float) -> float:
+        """Settle a reservation: ``+delta`` refunds (capped at capacity), ``-delta`` charges an
+        overshoot (the level may go negative). Returns the new level."""
+
+    @abstractmethod
+    async def peek(self, buckets: Sequence[Bucket]) -> tuple[float, ...]:
+        """Current levels after refill, changing nothing (for ``x-ratelimit-remaining-*``)."""
+
+    @abstractmethod
+    async def acquire_lease(
+        self, key: str, lease_id: str, limit: int, ttl_s: float
+    ) -> tuple[bool, int]:
+        """Hold one of ``limit`` leases under ``key`` for ``ttl_s``. Returns (granted, holders
+        now). Expired leases do not count; acquiring a lease already held renews it."""
+
+    @abstractmethod
+    async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
+        """Extend a held lease to ``ttl_s`` from now; False if it is not held (or expired)."""
+
+    @abstractmethod
+    async def release_lease(self, key: str, lease_id: str) -> None:
+        """Give a lease back. Idempotent: releasing an unknown lease is a no-op."""
+
+    @abstractmethod
+    async def get(self, key: str) -> bytes | None:
+        """The bytes stored under ``key``, or None if absent or expired."""
+
+    @abstractmethod
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Store ``value`` under ``key`` for ``ttl_s`` seconds, replacing any previous value."""
+
+    @abstractmethod
+    async def incr(self, key: str, fields: Mapping[str, int], ttl_s: float) -> None:
+        """Add to counters in the hash ``key``; the hash expires ``ttl_s`` after the last incr."""
+
+    @abstractmethod
+    async def read_counters(self, key: str) -> dict[str, int]:
+        """All counters in the hash ``key`` ({} if absent)."""
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raise ``StoreError`` unless the backend answers."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release connections. The store is not used afterwards."""

@@ -1,0 +1,318 @@
+"""The Redis store: one budget shared by every gateway replica.
+
+Each check-and-update is one server-side Lua script, so it is atomic and costs one round trip.
+Scripts read the clock with ``TIME`` on the server, so replicas with skewed clocks still share one
+refill timeline. Every key has a TTL: bucket keys live twice their time to refill (after which
+they would be full anyway), lease sets until their last lease expires, cache entries and counters
+as long as the caller says.
+
+Key layout (``prefix`` defaults to ``forge:``; the caller names the rest):
+
+- ``{prefix}{bucket.key}``: hash ``{level, ts}``, ``ts`` in server microseconds.
+- ``{prefix}{lease key}``: sorted set of lease ids scored by expiry in server milliseconds.
+- ``{prefix}{cache key}``: string, ``PX`` TTL.
+- ``{prefix}{counters key}``: hash of integer counters.
+
+Failures fail fast: a short socket timeout and no client retries. A retried take is not idempotent
+(the first attempt may have run), and a request served unmetered is cheaper than one that waits.
+The connection pool reconnects on the next call once Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
+
+from serve_app.store.base import (
+    EPSILON,
+    MAX_BUCKET_TTL_S,
+    MIN_BUCKET_TTL_S,
+    Bucket,
+    Store,
+    StoreError,
+    TakeResult,
+    check_take,
+    check_ttl,
+    retry_after,
+)
+
+# Shared by the bucket scripts. Lua numbers are doubles: microseconds since the epoch (~1.7e15)
+# are exact below 2**53, and '%.17g' keeps every digit (Lua's tostring keeps only 14).
+_BUCKET_LUA = """
+local function fmt(x) return string.format('%.17g', x) end
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function level_of(key, cap, rate, now)
+  local s = redis.call('HMGET', key, 'level', 'ts')
+  if not s[1] then return cap end
+  local elapsed = math.max(0, (now - tonumber(s[2])) / 1000000)
+  return math.min(cap, tonumber(s[1]) + elapsed * rate)
+end
+local function store_level(key, cap, rate, level, now, min_ttl, max_ttl)
+  redis.call('HSET', key, 'level', fmt(level), 'ts', fmt(now))
+  local ttl = max_ttl
+  if rate > 0 then ttl = math.min(max_ttl, math.max(min_ttl, 2 * (cap - level) / rate)) end
+  redis.call('PEXPIRE', key, math.ceil(ttl * 1000))
+end
+"""
+
+# KEYS: buckets. ARGV: epsilon, min_ttl, max_ttl, then (capacity, refill_per_s, amount) per key.
+# Returns {granted (1|0), level per key as a string}: levels after the take, or untouched.
+_TAKE_LUA = (
+    _BUCKET_LUA
+    + """
+local now = now_us()
+local eps, min_ttl, max_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local caps, rates, amounts, levels, granted = {}, {}, {}, {}, true
+for i, key in ipairs(KEYS) do
+  caps[i] = tonumber(ARGV[3 * i + 1])
+  rates[i] = tonumber(ARGV[3 * i + 2])
+  amounts[i] = tonumber(ARGV[3 * i + 3])
+  levels[i] = level_of(key, caps[i], rates[i], now)
+  if levels[i] + eps < amounts[i] then granted = false end
+end
+local out = {granted and 1 or 0}
+for i, key in ipairs(KEYS) do
+  if granted then
+    levels[i] = levels[i] - amounts[i]
+    store_level(key, caps[i], rates[i], levels[i], now, min_ttl, max_ttl)
+  end
+  out[i + 1] = fmt(levels[i])
+end
+return out
+"""
+)
+
+# KEYS[1]: bucket. ARGV: min_ttl, max_ttl, capacity, refill_per_s, delta. Returns the new level.
+_ADJUST_LUA = (
+    _BUCKET_LUA
+    + """
+local now = now_us()
+local min_ttl, max_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local cap, rate, delta = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local level = math.min(cap, level_of(KEYS[1], cap, rate, now) + delta)
+store_level(KEYS[1], cap, rate, level, now, min_ttl, max_ttl)
+return fmt(level)
+"""
+)
+
+# KEYS: buckets. ARGV: (capacity, refill_per_s) per key. Returns levels; writes nothing.
+_PEEK_LUA = (
+    _BUCKET_LUA
+    + """
+local now = now_us()
+local out = {}
+for i, key in ipairs(KEYS) do
+  out[i] = fmt(level_of(key, tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i]), now))
+end
+return out
+"""
+)
+
+# Lease sets: members are lease ids, scores their expiry in server milliseconds. Expired members
+# are dropped first, so they never count; the key expires with its last lease.
+_LEASE_LUA = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function expire_with_last(key, now)
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if last[2] then redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - now)) end
+end
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+"""
+
+# KEYS[1]: lease set. ARGV: lease_id, limit, ttl_ms. Returns {granted (1|0), holders now}.
+_ACQUIRE_LUA = (
+    _LEASE_LUA
+    + """
+local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local count = redis.call('ZCARD', KEYS[1])
+local granted = 0
+if held or count < tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+  if not held then count = count + 1 end
+  granted = 1
+end
+expire_with_last(KEYS[1], now)
+return {granted, count}
+"""
+)
+
+# KEYS[1]: lease set. ARGV: lease_id, ttl_ms. Returns 1 if the lease was held (and is extended).
+_RENEW_LUA = (
+    _LEASE_LUA
+    + """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+expire_with_last(KEYS[1], now)
+return 1
+"""
+)
+
+# KEYS[1]: counters hash. ARGV: ttl_ms, then (field, n) pairs.
+_INCR_LUA = """
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+"""
+
+
+def _ms(ttl_s: float) -> int:
+    return max(1, math.ceil(ttl_s * 1000))
+
+
+class RedisStore(Store):
+    """A store on ``redis.asyncio``. It owns ``client`` and closes it on ``close``."""
+
+    def __init__(self, client: Redis, *, key_prefix: str = "forge:") -> None:
+        self._client = client
+        self._prefix = key_prefix
+        # Script objects send EVALSHA and reload the script themselves on NOSCRIPT.
+        self._take = client.register_script(_TAKE_LUA)
+        self._adjust = client.register_script(_ADJUST_LUA)
+        self._peek = client.register_script(_PEEK_LUA)
+        self._acquire = client.register_script(_ACQUIRE_LUA)
+        self._renew = client.register_script(_RENEW_LUA)
+        self._incr = client.register_script(_INCR_LUA)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        key_prefix: str = "forge:",
+        timeout_s: float = 0.05,
+        max_connections: int = 50,
+        client_name: str | None = "forge-gateway",
+    ) -> RedisStore:
+        """Connect lazily (the gateway starts even if Redis is down) with fail-fast settings.
+
+        ``timeout_s`` bounds the connect, each reply, and the wait for a free pooled connection.
+        The pool blocks (up to ``timeout_s``) when all ``max_connections`` are busy: redis-py's
+        default pool would raise at once, failing a burst open, which is exactly when a
+        flooding tenant must stay metered.
+        """
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            client_name=client_name,
+            # With maintenance notifications on ("auto" under RESP3, redis-py's default), the pool
+            # skips its check for connections the server closed, so the first call after a Redis
+            # restart fails on every pooled connection. They serve managed Redis failovers only.
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        )
+        return cls(Redis(connection_pool=pool), key_prefix=key_prefix)
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    @contextmanager
+    def _failures(self, operation: str) -> Iterator[None]:
+        try:
+            yield
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise StoreError(f"redis {operation} failed: {type(exc).__name__}: {exc}") from exc
+
+    # -- buckets ----------------------------------------------------------------------------
+
+    async def take(self, buckets: Sequence[Bucket], amounts: Sequence[float]) -> TakeResult:
+        check_take(buckets, amounts)
+        args: list[float] = [EPSILON, MIN_BUCKET_TTL_S, MAX_BUCKET_TTL_S]
+        for bucket, amount in zip(buckets, amounts, strict=True):
+            args += [bucket.capacity, bucket.refill_per_s, amount]
+        with self._failures("take"):
+            reply = await self._take(keys=[self._key(b.key) for b in buckets], args=args)
+        granted = bool(int(reply[0]))
+        levels = tuple(float(level) for level in reply[1:])
+        if granted:
+            return TakeResult(True, levels, 0.0)
+        return TakeResult(False, levels, retry_after(buckets, amounts, levels))
+
+    async def adjust(self, bucket: Bucket, delta: float) -> float:
+        if not math.isfinite(delta):
+            raise ValueError(f"adjust delta must be finite, got {delta}")
+        args = [MIN_BUCKET_TTL_S, MAX_BUCKET_TTL_S, bucket.capacity, bucket.refill_per_s, delta]
+        with self._failures("adjust"):
+            reply = await self._adjust(keys=[self._key(bucket.key)], args=args)
+        return float(reply)
+
+    async def peek(self, buckets: Sequence[Bucket]) -> tuple[float, ...]:
+        args: list[float] = []
+        for bucket in buckets:
+            args += [bucket.capacity, bucket.refill_per_s]
+        with self._failures("peek"):
+            reply = await self._peek(keys=[self._key(b.key) for b in buckets], args=args)
+        return tuple(float(level) for level in reply)
+
+    # -- leases -----------------------------------------------------------------------------
+
+    async def acquire_lease(
+        self, key: str, lease_id: str, limit: int, ttl_s: float
+    ) -> tuple[bool, int]:
+        check_ttl(ttl_s)
+        with self._failures("acquire_lease"):
+            granted, holders = await self._acquire(
+                keys=[self._key(key)], args=[lease_id, int(limit), _ms(ttl_s)]
+            )
+        return bool(granted), int(holders)
+
+    async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
+        check_ttl(ttl_s)
+        with self._failures("renew_lease"):
+            held = await self._renew(keys=[self._key(key)], args=[lease_id, _ms(ttl_s)])
+        return bool(held)
+
+    async def release_lease(self, key: str, lease_id: str) -> None:
+        with self._failures("release_lease"):
+            await self._client.zrem(self._key(key), lease_id)
+
+    # -- cache entries and counters ---------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        with self._failures("get"):
+            return await self._client.get(self._key(key))
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        with self._failures("set"):
+            await self._client.set(self._key(key), value, px=_ms(ttl_s))
+
+    async def incr(self, key: str, fields: Mapping[str, int], ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        if not fields:
+            return
+        args: list[str | int] = [_ms(ttl_s)]
+        for field, n in fields.items():
+            args += [field, int(n)]
+        with self._failures("incr"):
+            await self._incr(keys=[self._key(key)], args=args)
+
+    async def read_counters(self, key: str) -> dict[str, int]:
+        with self._failures("read_counters"):
+            raw = await self._client.hgetall(self._key(key))
+        return {field.decode(): int(n) for field, n in raw.items()}
+
+    async def ping(self) -> None:
+        with self._failures("ping"):
+            await self._client.ping()
+
+    async def close(self) -> None:
+        with self._failures("close"):
+            await self._client.aclose(close_connection_pool=True)

@@ -1,0 +1,233 @@
+"""One contract, two stores: every test here runs against MemoryStore and RedisStore.
+
+Timing tests use short real sleeps with fast refill rates and assert ranges, not exact values: on
+Redis the clock is the server's, and a busy machine may oversleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from uuid import uuid4
+
+import pytest
+
+from serve_app.store import Bucket, Store, StoreError
+
+SLOW = 1e-6  # a refill rate that is negligible over a test's lifetime
+
+
+def bucket(capacity: float, refill_per_s: float = SLOW, name: str = "b") -> Bucket:
+    return Bucket(f"quota:{name}", capacity, refill_per_s)
+
+
+# -- take -----------------------------------------------------------------------------------
+
+
+async def test_new_bucket_starts_full_and_take_reports_remaining(store: Store) -> None:
+    b = bucket(10)
+    assert await store.peek([b]) == pytest.approx((10,))
+    result = await store.take([b], [3])
+    assert result.granted
+    assert result.retry_after_s == 0
+    assert result.remaining == pytest.approx((7,), abs=1e-3)
+
+
+async def test_concurrent_takes_never_overdraw(store: Store) -> None:
+    b = bucket(50)
+    results = await asyncio.gather(*(store.take([b], [1]) for _ in range(200)))
+    assert sum(r.granted for r in results) == 50
+    assert (await store.peek([b]))[0] == pytest.approx(0, abs=1e-3)
+
+
+async def test_multi_bucket_take_is_all_or_nothing(store: Store) -> None:
+    requests, tokens = bucket(10, name="rpm"), bucket(100, name="tpm")
+    assert (await store.take([requests, tokens], [1, 80])).granted
+    refused = await store.take([requests, tokens], [1, 30])
+    assert not refused.granted
+    assert refused.remaining == pytest.approx((9, 20), abs=1e-3)
+    assert await store.peek([requests, tokens]) == pytest.approx((9, 20), abs=1e-3)
+
+
+async def test_zero_amounts_are_allowed(store: Store) -> None:
+    requests, tokens = bucket(10, name="rpm"), bucket(100, name="tpm")
+    result = await store.take([requests, tokens], [1, 0])
+    assert result.granted
+    assert result.remaining == pytest.approx((9, 100), abs=1e-3)
+
+
+async def test_retry_after_is_the_deficit_over_the_rate(store: Store) -> None:
+    b = bucket(10, refill_per_s=2)
+    assert (await store.take([b], [10])).granted
+    refused = await store.take([b], [4])
+    assert not refused.granted
+    # ~4 tokens short at 2/s is ~2 s, less whatever refilled since the first take.
+    assert 1.5 < refused.retry_after_s <= 2.0
+    assert refused.retry_after_s == pytest.approx((4 - refused.remaining[0]) / 2)
+
+
+async def test_retry_after_is_the_slowest_bucket(store: Store) -> None:
+    fast, slow = bucket(10, refill_per_s=10, name="fast"), bucket(10, refill_per_s=1, name="slow")
+    assert (await store.take([fast, slow], [10, 10])).granted
+    refused = await store.take([fast, slow], [5, 5])
+    assert not refused.granted
+    assert 4.5 < refused.retry_after_s <= 5.0  # the slow bucket: 5 short at 1/s
+
+
+async def test_amount_above_capacity_can_never_succeed(store: Store) -> None:
+    requests, tokens = bucket(10, name="rpm"), bucket(100, name="tpm")
+    refused = await store.take([requests, tokens], [1, 101])
+    assert not refused.granted
+    assert math.isinf(refused.retry_after_s)
+    assert await store.peek([requests, tokens]) == pytest.approx((10, 100))
+
+
+async def test_refill_is_continuous_and_capped(store: Store) -> None:
+    b = bucket(100, refill_per_s=20)
+    assert (await store.take([b], [100])).granted
+    await asyncio.sleep(0.2)
+    (level,) = await store.peek([b])
+    assert 3.5 <= level <= 12  # ~4 after 0.2 s at 20/s; a busy machine may oversleep
+    small = bucket(2, refill_per_s=50, name="small")
+    assert (await store.take([small], [2])).granted
+    await asyncio.sleep(0.2)  # 10 tokens' worth of refill into a bucket of 2
+    assert await store.peek([small]) == pytest.approx((2,))
+
+
+async def test_refused_take_changes_nothing(store: Store) -> None:
+    b = bucket(5)
+    assert (await store.take([b], [4])).granted
+    for _ in range(3):
+        assert not (await store.take([b], [2])).granted
+    assert (await store.take([b], [1])).granted
+    assert await store.peek([b]) == pytest.approx((0,), abs=1e-3)
+
+
+# -- adjust and peek ------------------------------------------------------------------------
+
+
+async def test_adjust_refund_is_capped_at_capacity(store: Store) -> None:
+    b = bucket(100)
+    assert (await store.take([b], [30])).granted
+    assert await store.adjust(b, 20) == pytest.approx(90, abs=1e-3)
+    assert await store.adjust(b, 50) == pytest.approx(100)
+    assert await store.peek([b]) == pytest.approx((100,))
+
+
+async def test_adjust_overshoot_is_debt_that_refill_repays(store: Store) -> None:
+    b = bucket(10, refill_per_s=50)
+    assert await store.adjust(b, -20) == pytest.approx(-10, abs=0.5)
+    refused = await store.take([b], [1])
+    assert not refused.granted
+    assert refused.remaining[0] < 0
+    assert 0.15 < refused.retry_after_s <= 0.22  # ~11 short at 50/s
+    await asyncio.sleep(0.3)
+    assert (await store.take([b], [1])).granted
+
+
+async def test_peek_changes_nothing(store: Store) -> None:
+    requests, tokens = bucket(10, name="rpm"), bucket(100, name="tpm")
+    assert (await store.take([requests, tokens], [2, 40])).granted
+    first = await store.peek([requests, tokens])
+    second = await store.peek([requests, tokens])
+    assert first == pytest.approx((8, 60), abs=1e-3)
+    assert second == pytest.approx(first, abs=1e-3)
+    assert (await store.take([requests, tokens], [8, 60])).granted
+
+
+# -- leases ---------------------------------------------------------------------------------
+
+
+async def test_lease_limit_holds_under_concurrency(store: Store) -> None:
+    results = await asyncio.gather(
+        *(store.acquire_lease("streams:t", f"req-{i}", 5, 10) for i in range(30))
+    )
+    granted = [r for r in results if r[0]]
+    assert len(granted) == 5
+    assert sorted(holders for _, holders in granted) == [1, 2, 3, 4, 5]
+    assert all(holders == 5 for ok, holders in results if not ok)
+
+
+async def test_release_frees_a_slot_and_is_idempotent(store: Store) -> None:
+    assert await store.acquire_lease("streams:t", "a", 1, 10) == (True, 1)
+    assert await store.acquire_lease("streams:t", "b", 1, 10) == (False, 1)
+    await store.release_lease("streams:t", "a")
+    await store.release_lease("streams:t", "a")
+    await store.release_lease("streams:t", "never-held")
+    await store.release_lease("streams:nobody", "a")
+    assert await store.acquire_lease("streams:t", "b", 1, 10) == (True, 1)
+
+
+async def test_reacquiring_a_held_lease_does_not_count_twice(store: Store) -> None:
+    assert await store.acquire_lease("streams:t", "a", 2, 10) == (True, 1)
+    assert await store.acquire_lease("streams:t", "a", 2, 10) == (True, 1)
+    assert await store.acquire_lease("streams:t", "b", 2, 10) == (True, 2)
+
+
+async def test_expired_lease_does_not_count_and_renew_extends(store: Store) -> None:
+    assert await store.acquire_lease("streams:t", "crashed", 2, 0.2) == (True, 1)
+    assert await store.acquire_lease("streams:t", "alive", 2, 0.2) == (True, 2)
+    await asyncio.sleep(0.1)
+    assert await store.renew_lease("streams:t", "alive", 0.4)
+    await asyncio.sleep(0.2)  # "crashed" expired; "alive" was renewed past now
+    assert not await store.renew_lease("streams:t", "crashed", 10)
+    assert await store.acquire_lease("streams:t", "new", 2, 10) == (True, 2)
+    assert await store.acquire_lease("streams:t", "late", 2, 10) == (False, 2)
+
+
+# -- cache entries and counters -------------------------------------------------------------
+
+
+async def test_get_set_and_ttl_expiry(store: Store) -> None:
+    assert await store.get("cache:missing") is None
+    await store.set("cache:short", b"\x00answer", 0.2)
+    await store.set("cache:long", b"one", 10)
+    await store.set("cache:long", b"two", 10)
+    assert await store.get("cache:short") == b"\x00answer"
+    assert await store.get("cache:long") == b"two"
+    await asyncio.sleep(0.3)
+    assert await store.get("cache:short") is None
+    assert await store.get("cache:long") == b"two"
+
+
+async def test_counters_accumulate_and_expire(store: Store) -> None:
+    assert await store.read_counters("usage:t") == {}
+    await store.incr("usage:t", {"requests": 1, "prompt_tokens": 30}, 10)
+    await store.incr("usage:t", {"requests": 1, "completion_tokens": 7}, 10)
+    await store.incr("usage:t", {}, 10)
+    assert await store.read_counters("usage:t") == {
+        "requests": 2,
+        "prompt_tokens": 30,
+        "completion_tokens": 7,
+    }
+    await store.incr("usage:short", {"requests": 1}, 0.2)
+    await asyncio.sleep(0.3)
+    assert await store.read_counters("usage:short") == {}
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+async def test_wrong_kind_of_key_is_a_store_error(store: Store) -> None:
+    await store.set("mixed", b"bytes", 10)
+    with pytest.raises(StoreError):
+        await store.take([Bucket("mixed", 10, 1)], [1])
+    with pytest.raises(StoreError):
+        await store.acquire_lease("mixed", "a", 1, 10)
+
+
+async def test_bad_arguments_are_value_errors(store: Store) -> None:
+    b = bucket(10)
+    with pytest.raises(ValueError):
+        await store.take([b], [-1])
+    with pytest.raises(ValueError):
+        await store.take([b], [1, 2])
+    with pytest.raises(ValueError):
+        await store.set("k", b"v", 0)
+    with pytest.raises(ValueError):
+        Bucket("k", -1, 1)
+
+
+async def test_ping_and_close(store: Store) -> None:
+    await store.ping()
+    await store.take([Bucket(f"b:{uuid4().hex}", 1, 1)], [1])
