@@ -130,11 +130,13 @@ async def closed_loop(
     requests: int | None = None,
     api_key: str | None = None,
     keep_alive: bool = True,
+    pause_after_refusal_s: float = 0.0,
 ) -> RunResult:
     """``concurrency`` workers, each sending the next request when the last one ends.
 
     With ``keep_alive=False`` each worker closes its connection right after the response ends
-    (after ``[DONE]``), as many SDK users with a client per request do.
+    (after ``[DONE]``), as many SDK users with a client per request do. A worker refused with
+    a 429 waits ``pause_after_refusal_s`` before its next request.
     """
     parts = urlsplit(url)
     payload = orjson.dumps(body)
@@ -157,9 +159,12 @@ async def closed_loop(
                         return
                     remaining -= 1
                 try:
-                    result.samples.append(await conn.request("POST", parts.path, headers, payload))
+                    sample = await conn.request("POST", parts.path, headers, payload)
+                    result.samples.append(sample)
                     if not keep_alive:
                         conn.close()
+                    if sample.status == 429 and pause_after_refusal_s:
+                        await asyncio.sleep(pause_after_refusal_s)
                 except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError):
                     result.errors += 1
                     conn.close()

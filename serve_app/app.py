@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from serve_app.admission import SchedulerDeployment
 from serve_app.config import PoolConfig, load_config
 from serve_app.gateway import GatewayIngress
 from serve_app.replica import Replica
@@ -25,11 +26,23 @@ def build_app(args: dict[str, Any]) -> Application:
         .bind(pool.model_dump())
         for pool in config.pools
     }
+    schedulers = {
+        pool.name: serve.deployment(SchedulerDeployment)
+        .options(
+            name=f"scheduler-{pool.name}",
+            num_replicas=1,  # one slot budget per pool: exactly one owner
+            max_ongoing_requests=100_000,  # waiters park here by design
+            ray_actor_options={"num_cpus": 0},
+        )
+        .bind(pool.name, pool.admission.model_dump(), [t.model_dump() for t in config.tenants])
+        for pool in config.pools
+        if pool.admission is not None
+    }
     # The gateway mostly waits on backends: Serve's default of 5 ongoing requests per replica
     # would queue streams at the proxy long before its CPU is busy.
     gateway_options = {"max_ongoing_requests": 1024, **config.gateway.deployment}
     gateway = serve.deployment(GatewayIngress).options(name="gateway", **gateway_options)
-    return gateway.bind(config.model_dump(), pools)
+    return gateway.bind(config.model_dump(), pools, schedulers)
 
 
 def _replica_options(pool: PoolConfig) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from serve_app import errors
 from serve_app.config import TenantConfig
@@ -29,10 +29,13 @@ class KeyRing:
     client sent; the final ``compare_digest`` keeps the match constant-time as well.
     """
 
-    def __init__(self, tenants: Iterable[TenantConfig]) -> None:
-        self._by_hash: dict[str, tuple[str, TenantConfig]] = {
-            h: (h, t) for t in tenants for h in t.key_hashes
-        }
+    def __init__(
+        self, tenants: Iterable[TenantConfig], extra_hashes: Mapping[str, Sequence[str]] = {}
+    ) -> None:
+        self._by_hash: dict[str, tuple[str, TenantConfig]] = {}
+        for tenant in tenants:
+            for h in (*tenant.key_hashes, *extra_hashes.get(tenant.name, ())):
+                self._by_hash[h] = (h, tenant)
 
     def tenant_for(self, authorization: str | None) -> TenantConfig:
         """The tenant for an ``Authorization`` header value; 401 on anything else."""
@@ -48,3 +51,28 @@ class KeyRing:
         if not hmac.compare_digest(digest, stored) or tenant is None:
             raise errors.invalid_api_key("Incorrect API key provided.")
         return tenant
+
+
+def load_key_hashes_file(path: str, tenant_names: Iterable[str]) -> dict[str, list[str]]:
+    """Read ``{tenant: [sha256, ...]}`` from a mounted secret (YAML or JSON).
+
+    Kept out of the config file so keys rotate by updating a secret, not a deployment.
+    """
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of tenant name to a list of key hashes")
+    known = set(tenant_names)
+    result: dict[str, list[str]] = {}
+    for tenant, hashes in data.items():
+        if tenant not in known:
+            raise ValueError(f"{path}: tenant {tenant!r} is not in the config's tenants")
+        if not isinstance(hashes, list) or not all(
+            isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)
+            for h in hashes
+        ):
+            raise ValueError(f"{path}: {tenant}: expected a list of SHA-256 hex digests")
+        result[tenant] = hashes
+    return result

@@ -20,11 +20,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TenantLimits(_Strict):
+    """A tenant's budgets. Unset means unlimited; bursts default to one minute's worth."""
+
+    rpm: Annotated[int, Field(gt=0)] | None = None
+    tpm: Annotated[int, Field(gt=0)] | None = None
+    burst_requests: Annotated[int, Field(gt=0)] | None = None
+    burst_tokens: Annotated[int, Field(gt=0)] | None = None
+    # Requests in flight at once (streaming or not): each holds a lease until it ends.
+    max_concurrent_streams: Annotated[int, Field(gt=0)] | None = None
+
+
 class TenantConfig(_Strict):
     name: Annotated[str, Field(pattern=_NAME)]
-    # SHA-256 hex digests of the tenant's API keys; two while a key is rotated.
-    key_hashes: Annotated[list[str], Field(min_length=1)]
+    # Fair admission: share of contended slots, queue length, priority tier.
+    tier: Literal["interactive", "batch"] = "interactive"
+    # Whether requests may pick their tier with ``x-forge-priority: interactive|batch``.
+    allow_priority_header: bool = False
+    queue_cap: Annotated[int, Field(ge=0)] | None = None
+    # SHA-256 hex digests of the tenant's API keys; two while a key is rotated. May be empty
+    # when the tenant's hashes come from the mounted ``key_hashes_file``.
+    key_hashes: list[str] = Field(default_factory=list)
     weight: Annotated[float, Field(gt=0)] = 1.0
+    limits: TenantLimits = TenantLimits()
 
     @field_validator("key_hashes")
     @classmethod
@@ -60,6 +78,19 @@ class SimulatedEngineConfig(_Strict):
         return self
 
 
+class AdmissionConfig(_Strict):
+    """Fair admission in front of a pool: its slot budget and how requests wait for it."""
+
+    max_inflight: Annotated[int, Field(gt=0)]
+    queue_cap: Annotated[int, Field(ge=0)] = 8  # per tenant, unless the tenant sets its own
+    deadline_s: Annotated[float, Field(gt=0)] = 10.0  # longest wait in a queue before a 429
+    lease_ttl_s: Annotated[float, Field(gt=0)] = 30.0  # a dead gateway's slots come back after
+    max_queued_total: Annotated[int, Field(gt=0)] | None = None
+    batch_every: Annotated[int, Field(ge=2)] = 5  # while both tiers wait, 1 grant in N is batch
+    # Most of the slots one tenant may hold: the rest is headroom for others to start at once.
+    max_tenant_share: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+
 class PoolConfig(_Strict):
     """A primary pool: one replica deployment serving one model."""
 
@@ -72,6 +103,7 @@ class PoolConfig(_Strict):
     first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     # Whether requests for this pool's model may be served by the fallback backend.
     fallback: bool = True
+    admission: AdmissionConfig | None = None
     # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
     # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
@@ -90,6 +122,24 @@ class FallbackConfig(_Strict):
     max_connections: Annotated[int, Field(gt=0)] = 256
 
 
+class StoreConfig(_Strict):
+    """Where quotas (and later the cache and metering) live. No Redis: the embedded store."""
+
+    # The Redis endpoint, directly or (preferred, it may hold a password) by env variable name.
+    redis_url: str | None = None
+    redis_url_env: str | None = None
+    key_prefix: str = "forge:"
+    # Per call: the store is on the request path and fails open, so slow means gone.
+    timeout_s: Annotated[float, Field(gt=0)] = 0.05
+
+    def resolved_url(self) -> str | None:
+        import os
+
+        if self.redis_url_env and os.environ.get(self.redis_url_env):
+            return os.environ[self.redis_url_env]
+        return self.redis_url
+
+
 class GatewayConfig(_Strict):
     max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
     # Gateway replica deployment options (num_replicas, ray_actor_options, ...).
@@ -98,7 +148,10 @@ class GatewayConfig(_Strict):
 
 class ForgeConfig(_Strict):
     gateway: GatewayConfig = GatewayConfig()
+    store: StoreConfig = StoreConfig()
     tenants: Annotated[list[TenantConfig], Field(min_length=1)]
+    # A mounted secret with more key hashes: YAML or JSON ``{tenant: [sha256, ...]}``.
+    key_hashes_file: str | None = None
     pools: Annotated[list[PoolConfig], Field(min_length=1)]
     fallback: FallbackConfig | None = None
 
@@ -114,6 +167,18 @@ class ForgeConfig(_Strict):
                 raise ValueError(f"{what}: duplicate names {dupes}")
         if "fallback" in {p.name for p in self.pools}:
             raise ValueError("pools: 'fallback' is reserved for the fallback backend")
+        deployment = self.gateway.deployment
+        many_gateways = deployment.get("num_replicas", 1) not in (1, None) or bool(
+            deployment.get("autoscaling_config")
+        )
+        if many_gateways and not (self.store.redis_url or self.store.redis_url_env):
+            raise ValueError(
+                "store: more than one gateway replica needs a shared store (store.redis_url or "
+                "store.redis_url_env); the embedded store would give each replica its own budget"
+            )
+        if self.key_hashes_file is None and not all(t.key_hashes for t in self.tenants):
+            missing = [t.name for t in self.tenants if not t.key_hashes]
+            raise ValueError(f"tenants {missing} have no key_hashes and no key_hashes_file is set")
         hashes = [h for t in self.tenants for h in t.key_hashes]
         if len(hashes) != len(set(hashes)):
             raise ValueError("tenants: one key hash is listed for two tenants")

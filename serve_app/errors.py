@@ -104,6 +104,11 @@ def payload_too_large(limit: int) -> ForgeError:
     )
 
 
+def rate_limited(message: str, *, kind: str, headers: dict[str, str]) -> ForgeError:
+    # OpenAI's 429s name the exhausted limit in ``type`` ("requests", "tokens").
+    return ForgeError(429, message, type=kind, code="rate_limit_exceeded", headers=headers)
+
+
 def bad_gateway(message: str = "The model backend failed to answer.") -> ForgeError:
     return ForgeError(502, message, type="api_error", code="bad_gateway")
 

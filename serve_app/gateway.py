@@ -25,18 +25,21 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from serve_app import errors
-from serve_app.auth import KeyRing
+from serve_app.auth import KeyRing, load_key_hashes_file
 from serve_app.backends.base import Backend
 from serve_app.backends.fallback import FallbackBackend
 from serve_app.backends.pool import PoolBackend
 from serve_app.config import ForgeConfig
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, compose
+from serve_app.stages.admission import AdmissionStage
 from serve_app.stages.authenticate import AuthStage
 from serve_app.stages.dispatch import Dispatch
 from serve_app.stages.parse import ParseStage
+from serve_app.stages.quota import QuotaStage
 from serve_app.stages.request_id import RequestIdStage
 from serve_app.stages.telemetry import TelemetryStage
+from serve_app.store import build_store
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,7 +47,12 @@ _JSON = "application/json"
 
 
 class Gateway:
-    def __init__(self, config: dict, pools: dict[str, DeploymentHandle]) -> None:
+    def __init__(
+        self,
+        config: dict,
+        pools: dict[str, DeploymentHandle],
+        schedulers: dict[str, DeploymentHandle] | None = None,
+    ) -> None:
         self.config = ForgeConfig.model_validate(config)
         self.backends = _backends(self.config, pools)
         fallback = self.backends.get("fallback")
@@ -57,16 +65,32 @@ class Gateway:
             routes.setdefault(self.config.fallback.model, [fallback])
         self.models = list(routes)
         metrics = ForgeMetrics()
-        keyring = KeyRing(self.config.tenants)
+        keyring = _keyring(self.config)
+        store_config = self.config.store
+        self.store = build_store(
+            store_config.resolved_url(),
+            key_prefix=store_config.key_prefix,
+            timeout_s=store_config.timeout_s,
+        )
+        default_max_tokens = {p.model: p.default_max_tokens for p in self.config.pools}
+        admitted = [p for p in self.config.pools if p.name in (schedulers or {})]
+        admission = AdmissionStage(
+            {p.model: schedulers[p.name] for p in admitted},
+            {p.model: p.admission.deadline_s for p in admitted},
+            metrics,
+            self.config.tenants,
+        )
 
-        # The request path, in order. Later stages (quota, cache, admission, metering) slot in
-        # between auth and dispatch.
+        # The request path, in order. The response cache (a later stage) slots in between quota
+        # and admission, so a hit costs no slot.
         self.serve_inference: Handler = compose(
             [
                 RequestIdStage(),
                 TelemetryStage(metrics),
                 AuthStage(keyring),
                 ParseStage(self.config.gateway.max_body_bytes),
+                QuotaStage(self.store, metrics, self.config.tenants, default_max_tokens),
+                admission,
             ],
             Dispatch(routes),
         )
@@ -126,6 +150,13 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         return errors.error_response(errors.not_found(request.url.path))
     err = errors.ForgeError(exc.status_code, str(exc.detail), type="invalid_request_error")
     return errors.error_response(err)
+
+
+def _keyring(config: ForgeConfig) -> KeyRing:
+    extra = {}
+    if config.key_hashes_file:
+        extra = load_key_hashes_file(config.key_hashes_file, [t.name for t in config.tenants])
+    return KeyRing(config.tenants, extra)
 
 
 def _backends(config: ForgeConfig, pools: dict[str, DeploymentHandle]) -> dict[str, Backend]:

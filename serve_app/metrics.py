@@ -54,6 +54,22 @@ class ForgeMetrics:
             tag_keys=("tenant", "kind"),
         )
 
+        self.shed = Counter(
+            "forge_shed_total",
+            description="Requests refused to protect capacity, by tenant and reason.",
+            tag_keys=("tenant", "reason"),
+        )
+        self.store_errors = Counter(
+            "forge_store_errors_total",
+            description="Store calls that failed; the request was served unmetered (fail open).",
+            tag_keys=("op",),
+        )
+
+        self.admission_errors = Counter(
+            "forge_admission_errors_total",
+            description="Scheduler calls that failed; the request was admitted (fail open).",
+        )
+
     def record(
         self,
         *,

@@ -8,12 +8,12 @@ The gateway lists the stages in the design's order; each stage is a module of ``
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from serve_app.config import TenantConfig
 from serve_app.engines.base import Kind
@@ -36,6 +36,7 @@ class RequestContext:
     replica: str | None = None
     usage: dict | None = None
     first_byte_at: float | None = None
+    frames_sent: int = 0  # SSE frames relayed: the usage estimate when a stream is abandoned
     stream_error: str | None = None  # set when a stream ended with an SSE error event
 
     @property
@@ -45,6 +46,30 @@ class RequestContext:
 
 class Stage(Protocol):
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response: ...
+
+
+def on_response_end(response: Response, callback: Callable[[bool], None]) -> Response:
+    """Call ``callback(completed)`` once the response has ended.
+
+    For a stream that is when its last byte is sent, or when the client went away mid-way
+    (``completed`` False); for any other response it is now. ``callback`` must not block; async
+    work it needs (a store round trip) it schedules itself.
+    """
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _observed(response.body_iterator, callback)
+    else:
+        callback(True)
+    return response
+
+
+async def _observed(body: AsyncIterator, callback: Callable[[bool], None]) -> AsyncIterator:
+    completed = False
+    try:
+        async for chunk in body:
+            yield chunk
+        completed = True
+    finally:
+        callback(completed)
 
 
 def compose(stages: Sequence[Stage], endpoint: Handler) -> Handler:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app import errors
+from serve_app import errors, tokenizer
 
 
 class StreamOptions(BaseModel):
@@ -108,3 +108,11 @@ def _param(loc: tuple, body: dict) -> str | None:
             break
         path.append(str(part))
     return ".".join(path) or None
+
+
+def prompt_text(body: dict, kind: str) -> str:
+    """The text the model sees: the rendered chat, or the completion prompt."""
+    if kind == "chat":
+        return tokenizer.render_chat(body["messages"])
+    prompt = body["prompt"]
+    return prompt if isinstance(prompt, str) else prompt[0]

@@ -105,10 +105,33 @@ def test_bad_key_hash_is_rejected(bad):
     assert "SHA-256" in message
 
 
-def test_tenant_needs_a_key_hash():
+def test_tenant_needs_a_key_hash_unless_a_key_file_is_mounted():
     args = minimal()
     args["tenants"][0]["key_hashes"] = []
-    assert "tenants.0.key_hashes" in config_error(args)
+    assert "have no key_hashes and no key_hashes_file" in config_error(args)
+    args["key_hashes_file"] = "/etc/forge/keys.yaml"
+    assert load_config(args).tenants[0].key_hashes == []
+
+
+def test_many_gateway_replicas_need_a_shared_store():
+    args = minimal()
+    args["gateway"] = {"deployment": {"num_replicas": 2}}
+    assert "needs a shared store" in config_error(args)
+    args["store"] = {"redis_url": "redis://127.0.0.1:6379/0"}
+    assert load_config(args).store.resolved_url() == "redis://127.0.0.1:6379/0"
+
+
+def test_store_url_from_the_environment_wins(monkeypatch):
+    args = minimal()
+    args["store"] = {"redis_url": "redis://config:6379", "redis_url_env": "FORGE_TEST_REDIS"}
+    monkeypatch.setenv("FORGE_TEST_REDIS", "redis://env:6379")
+    assert load_config(args).store.resolved_url() == "redis://env:6379"
+
+
+def test_limits_are_validated():
+    args = minimal()
+    args["tenants"][0]["limits"] = {"rpm": 0}
+    assert "tenants.0.limits.rpm" in config_error(args)
 
 
 def test_duplicate_tenant_names_rejected():

@@ -18,14 +18,7 @@ from serve_app import errors, tokenizer
 from serve_app.config import SimulatedEngineConfig
 from serve_app.engines.base import Engine, EngineStats, Kind, Usage
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig
-
-
-def prompt_text(body: dict, kind: Kind) -> str:
-    """The text the model sees: the rendered chat, or the completion prompt."""
-    if kind == "chat":
-        return tokenizer.render_chat(body["messages"])
-    prompt = body["prompt"]
-    return prompt if isinstance(prompt, str) else prompt[0]
+from serve_app.protocol import prompt_text
 
 
 class SimulatedEngine(Engine):

@@ -91,6 +91,7 @@ def _take(ctx: RequestContext, batch: list) -> bytes:
     for item in batch:
         if type(item) is bytes:
             frames.append(item)
+            ctx.frames_sent += 1
         elif "usage" in item:
             ctx.usage = item["usage"]
         elif "replica" in item:

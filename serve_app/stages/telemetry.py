@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import orjson
 from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext
+from serve_app.pipeline import Handler, RequestContext, on_response_end
 
 logger = logging.getLogger("ray.serve")
 # A child of Serve's logger: lands in the replica's log file, tagged with the request id.
@@ -35,25 +34,17 @@ class TelemetryStage:
             # The trace stays in our log under the request id; the client gets a clean 500.
             logger.exception("unhandled error in request %s", ctx.request_id)
             response = errors.error_response(errors.internal_error())
-        if isinstance(response, StreamingResponse):
-            response.body_iterator = self._observe_stream(ctx, response, response.body_iterator)
-        else:
-            self._record(ctx, response.status_code)
-        return response
+        streaming = isinstance(response, StreamingResponse)
 
-    async def _observe_stream(
-        self, ctx: RequestContext, response: StreamingResponse, body: AsyncIterator
-    ):
-        completed = False
-        try:
-            async for chunk in body:
-                yield chunk
-            completed = True
-        finally:
-            status = response.status_code if completed else 499  # nginx's "client closed"
-            if ctx.stream_error:
-                status = 599 if completed else status  # failed after the first byte
+        def record(completed: bool) -> None:
+            status = response.status_code
+            if not completed:
+                status = 499  # nginx's "client closed request"
+            elif streaming and ctx.stream_error:
+                status = 599  # failed after the first byte: the 200 was already sent
             self._record(ctx, status)
+
+        return on_response_end(response, record)
 
     def _record(self, ctx: RequestContext, status: int) -> None:
         now = time.perf_counter()

@@ -141,24 +141,27 @@ def test_hung_replica_is_504_not_a_hang(openai_client, faults):
 def test_full_pool_is_503(forge_url, openai_client, faults):
     faults.set_all("pool-solo", {"mode": "hang"})
     body = {"model": "forge-solo", "messages": CHAT, "max_tokens": 3, "stream": True}
-    # One request holds the pool's only slot, one waits in its queue of one.
-    occupants = [
-        threading.Thread(
-            target=httpx.post,
-            args=(f"{forge_url}/v1/chat/completions",),
-            kwargs={"json": body, "headers": AUTH, "timeout": 10},
+    # The pool has one slot and each gateway replica may queue one more request for it: of six
+    # requests at once, one runs (and hangs), some queue, and the rest are refused at once.
+    results: list[httpx.Response] = []
+
+    def send() -> None:
+        results.append(
+            httpx.post(f"{forge_url}/v1/chat/completions", json=body, headers=AUTH, timeout=10)
         )
-        for _ in range(2)
-    ]
-    for occupant in occupants:
-        occupant.start()
-        time.sleep(0.3)
-    response = httpx.post(f"{forge_url}/v1/chat/completions", json=body, headers=AUTH)
-    for occupant in occupants:
-        occupant.join()
-    error = _assert_openai_error(response, 503, "backend_unavailable")
-    assert response.headers["retry-after"]
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    refused = [r for r in results if r.status_code == 503]
+    assert refused, [r.status_code for r in results]
+    error = _assert_openai_error(refused[0], 503, "backend_unavailable")
+    assert refused[0].headers["retry-after"]
     assert error["type"] == "api_error"
+    assert {r.status_code for r in results} <= {503, 504}
 
 
 def test_primary_failure_before_first_byte_fails_over_to_fallback(openai_client, faults):

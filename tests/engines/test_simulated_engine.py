@@ -11,8 +11,9 @@ import pytest
 from serve_app import tokenizer
 from serve_app.config import SimulatedEngineConfig
 from serve_app.engines.base import Usage
-from serve_app.engines.simulated import SimulatedEngine, prompt_text
+from serve_app.engines.simulated import SimulatedEngine
 from serve_app.errors import ForgeError
+from serve_app.protocol import prompt_text
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}

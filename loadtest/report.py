@@ -1,0 +1,41 @@
+"""Render a benchmark's JSON results as the Markdown table in docs/benchmarks.md.
+
+python -m loadtest.report loadtest/results/overhead.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def overhead_table(data: dict) -> str:
+    rows = data["rows"]
+    direct = {(r["engine"], r["concurrency"]): r for r in rows if r["path"] == "direct"}
+    lines = [
+        "| engine | path | c | req/s | TTFT p50 ms | added TTFT p50 ms | TTFT p95 ms | "
+        "total p50 ms | server CPU ms/req | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = direct.get((r["engine"], r["concurrency"]))
+        added = r["ttft_p50_ms"] - base["ttft_p50_ms"] if base and r["path"] != "direct" else 0.0
+        lines.append(
+            f"| {r['engine']} | {r['path']} | {r['concurrency']} | {r['req_per_s']:.0f} | "
+            f"{r['ttft_p50_ms']:.2f} | {added:.2f} | {r['ttft_p95_ms']:.2f} | "
+            f"{r['total_p50_ms']:.1f} | {r['server_cpu_ms_per_req']:.2f} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    data = json.loads(open(sys.argv[1]).read())
+    print(
+        f"Command: `{data['meta']['command']}`; machine: {data['meta']['machine']}, "
+        f"Python {data['meta']['python']}.\n"
+    )
+    print(overhead_table(data))
+
+
+if __name__ == "__main__":
+    main()

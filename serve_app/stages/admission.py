@@ -1,0 +1,109 @@
+"""Stage 5: fair admission. A slot of the pool, from its scheduler, before dispatch.
+
+One scheduler round trip to acquire (it may wait in the tenant's queue up to the deadline) and
+one fire-and-forget release when the response ends, on every exit path. A long generation
+renews its lease so the scheduler does not reclaim a live slot. If the scheduler cannot be
+reached the request is admitted (fail open) and counted: admission protects latency, it must
+never become the outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Mapping
+
+from ray.serve.handle import DeploymentHandle
+from starlette.responses import Response
+
+from serve_app import errors
+from serve_app.config import TenantConfig
+from serve_app.metrics import ForgeMetrics
+from serve_app.pipeline import Handler, RequestContext, on_response_end
+from serve_app.scheduler import Shed
+
+logger = logging.getLogger("ray.serve")
+
+PRIORITY_HEADER = "x-forge-priority"
+_WARN_EVERY_S = 30.0
+
+
+class AdmissionStage:
+    def __init__(
+        self,
+        schedulers: Mapping[str, DeploymentHandle],
+        deadlines: Mapping[str, float],
+        metrics: ForgeMetrics,
+        tenants: list[TenantConfig],
+    ) -> None:
+        self.schedulers = schedulers  # model name → its pool's scheduler
+        self.deadlines = deadlines
+        self.metrics = metrics
+        self.tenants = {t.name: t for t in tenants}
+        self._last_warning = 0.0
+
+    async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
+        scheduler = self.schedulers.get(ctx.parsed.model)
+        if scheduler is None:
+            return await call_next(ctx)
+        tenant = ctx.tenant.name
+        wait_limit = self.deadlines[ctx.parsed.model] + 5.0
+        try:
+            lease_id, ttl_s = await asyncio.wait_for(
+                scheduler.acquire.remote(tenant, self._tier(ctx)), wait_limit
+            )
+        except Shed as shed:
+            self.metrics.shed.inc(tags={"tenant": tenant, "reason": shed.reason})
+            retry = max(1, math.ceil(shed.retry_after_s))
+            raise errors.rate_limited(
+                f"The model is at capacity and tenant {tenant}'s queue cannot take this request "
+                f"({shed.reason}). Try again in {retry}s.",
+                kind="capacity",
+                headers={"retry-after": str(retry)},
+            ) from None
+        except Exception as exc:  # scheduler unreachable or slow: admit, and say so
+            self._fail_open(exc)
+            return await call_next(ctx)
+
+        renewer = asyncio.create_task(_keep_alive(scheduler, lease_id, ttl_s))
+        released = False
+
+        def release(completed: bool = True) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                renewer.cancel()
+                scheduler.release.remote(lease_id)
+
+        try:
+            response = await call_next(ctx)
+        except BaseException:
+            release()
+            raise
+        return on_response_end(response, release)
+
+    def _tier(self, ctx: RequestContext) -> str:
+        tenant = self.tenants[ctx.tenant.name]
+        asked = ctx.request.headers.get(PRIORITY_HEADER)
+        if tenant.allow_priority_header and asked in ("interactive", "batch"):
+            return asked
+        return tenant.tier
+
+    def _fail_open(self, exc: Exception) -> None:
+        self.metrics.admission_errors.inc()
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            logger.warning("scheduler unavailable (%r); admitting without a slot", exc)
+
+
+async def _keep_alive(scheduler: DeploymentHandle, lease_id: str, ttl_s: float) -> None:
+    """Renew a held lease at a third of its TTL for as long as the request runs."""
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            with contextlib.suppress(Exception):
+                await scheduler.renew.remote(lease_id)

@@ -1,0 +1,143 @@
+"""Stage 3: the tenant's budgets. Reserve before serving, settle to real usage after.
+
+Runs before the cache, so a tenant out of tokens is out even for cached answers. One atomic
+store call takes a request and ``prompt + max_tokens`` tokens; a concurrent-request lease is
+held for the request's life. When the response ends, however it ends, the reservation settles
+exactly once to the backend's ``usage`` (or, for a stream the client abandoned, to what was
+relayed). The store is a convenience: when it fails the request is served unmetered, counted in
+``forge_store_errors_total``, and a warning is logged at most once per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+
+from starlette.responses import Response
+
+from serve_app import tokenizer
+from serve_app.config import TenantConfig
+from serve_app.metrics import ForgeMetrics
+from serve_app.pipeline import Handler, RequestContext, on_response_end
+from serve_app.protocol import prompt_text
+from serve_app.quota import TenantQuota
+from serve_app.store import Store, StoreError
+
+logger = logging.getLogger("ray.serve")
+
+# A lease outlives its request by this much if the gateway dies; live streams renew it.
+LEASE_TTL_S = 60.0
+_WARN_EVERY_S = 30.0
+
+
+class QuotaStage:
+    def __init__(
+        self,
+        store: Store,
+        metrics: ForgeMetrics,
+        tenants: list[TenantConfig],
+        default_max_tokens: Mapping[str, int],
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.quotas = {t.name: TenantQuota.of(t) for t in tenants}
+        self.default_max_tokens = default_max_tokens
+        self._settling: set[asyncio.Task] = set()
+        self._last_warning = 0.0
+
+    async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
+        quota = self.quotas[ctx.tenant.name]
+        if quota.unlimited:
+            return await call_next(ctx)
+        prompt_tokens = tokenizer.count_tokens(prompt_text(ctx.body, ctx.route))
+        max_tokens = ctx.parsed.output_limit() or self.default_max_tokens.get(ctx.parsed.model, 256)
+        reserved = prompt_tokens + max_tokens
+        quota.check_fits(reserved, prompt_tokens, max_tokens)
+        buckets, amounts = quota.plan(reserved)
+
+        metered = True
+        headers: dict[str, str] = {}
+        try:
+            if buckets:
+                taken = await self.store.take(buckets, amounts)
+                if not taken.granted:
+                    self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "rate_limit"})
+                    raise quota.refused(buckets, amounts, taken)
+                headers = quota.headers(buckets, taken.remaining)
+            lease = await self._acquire_lease(quota, ctx, buckets, amounts)
+        except StoreError as exc:
+            self._fail_open("reserve", exc)
+            metered, lease = False, None
+
+        settled = False
+
+        def settle(completed: bool) -> None:
+            nonlocal settled
+            if settled or not metered:
+                return
+            settled = True
+            task = asyncio.create_task(self._settle(quota, ctx, prompt_tokens, reserved, lease))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+        try:
+            response = await call_next(ctx)
+        except BaseException:
+            settle(False)
+            raise
+        response.headers.update(headers)
+        return on_response_end(response, settle)
+
+    async def _acquire_lease(
+        self, quota: TenantQuota, ctx: RequestContext, buckets, amounts
+    ) -> str | None:
+        if quota.max_streams is None:
+            return None
+        lease_id = f"{ctx.request_id}:{uuid.uuid4().hex[:8]}"
+        granted, holders = await self.store.acquire_lease(
+            quota.stream_key, lease_id, quota.max_streams, LEASE_TTL_S
+        )
+        if not granted:
+            # Give back what this request took: it is refused, not served.
+            for bucket, amount in zip(buckets, amounts, strict=True):
+                await self.store.adjust(bucket, amount)
+            self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
+            raise quota.too_many_streams(holders)
+        return lease_id
+
+    async def _settle(
+        self,
+        quota: TenantQuota,
+        ctx: RequestContext,
+        prompt_tokens: int,
+        reserved: int,
+        lease: str | None,
+    ) -> None:
+        try:
+            if quota.tokens is not None:
+                used = _tokens_used(ctx, prompt_tokens)
+                if used != reserved:
+                    await self.store.adjust(quota.tokens, reserved - used)
+            if lease is not None:
+                await self.store.release_lease(quota.stream_key, lease)
+        except StoreError as exc:
+            self._fail_open("settle", exc)
+
+    def _fail_open(self, op: str, exc: StoreError) -> None:
+        self.metrics.store_errors.inc(tags={"op": op})
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            logger.warning("store unavailable (%s: %s); serving unmetered", op, exc)
+
+
+def _tokens_used(ctx: RequestContext, prompt_tokens: int) -> int:
+    """The backend's own count; without one, the prompt estimate plus what was relayed."""
+    if ctx.usage:
+        return int(ctx.usage.get("prompt_tokens", 0)) + int(ctx.usage.get("completion_tokens", 0))
+    if ctx.first_byte_at is None:
+        return 0  # failed or refused before anything was generated: nothing to charge
+    return prompt_tokens + ctx.frames_sent
