@@ -30,8 +30,9 @@ from loadtest.http_load import closed_loop
 from loadtest.serve_forge import BENCH_KEY
 
 ENGINES = {
-    "zero": {"output_tokens_min": 16, "output_tokens_max": 16},
+    "zero": {"output_tokens_min": 16, "output_tokens_max": 16, "max_num_seqs": 256},
     "realistic": {
+        "max_num_seqs": 64,
         "prefill_base_s": 0.02,
         "prefill_per_token_s": 0.0001,
         "decode_base_s": 0.01,
@@ -55,10 +56,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tree_cpu_seconds(root: int) -> float:
-    """User+system CPU of a process and all its descendants (Ray's workers included)."""
+def _process_tree_cpu(root: int) -> dict[str, float]:
+    """User+system CPU seconds of a process tree, by role (Ray names its worker processes)."""
     children: dict[int, list[int]] = {}
-    stats: dict[int, float] = {}
+    cpu: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -68,13 +69,31 @@ def _tree_cpu_seconds(root: int) -> float:
             continue
         pid, ppid = int(entry.name), int(fields[1])
         children.setdefault(ppid, []).append(pid)
-        stats[pid] = (int(fields[11]) + int(fields[12])) / _TICK
-    total, todo = 0.0, [root]
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / _TICK
+    roles: dict[str, float] = {}
+    todo = [root]
     while todo:
         pid = todo.pop()
-        total += stats.get(pid, 0.0)
         todo.extend(children.get(pid, []))
-    return total
+        roles[_role(pid)] = roles.get(_role(pid), 0.0) + cpu.get(pid, 0.0)
+    return roles
+
+
+def _role(pid: int) -> str:
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "other"
+    for marker, role in (
+        (":gateway", "gateway"),
+        ("ProxyActor", "proxy"),
+        (":pool-", "engine"),
+        (":scheduler-", "scheduler"),
+        ("mock_openai", "engine"),
+    ):
+        if marker in title:
+            return role
+    return "other"
 
 
 def _wait_ready(url: str, timeout: float = 90) -> None:
@@ -105,8 +124,8 @@ class Server:
                 return line.split()[1:]
         raise RuntimeError("server exited before it was ready")
 
-    def cpu(self) -> float:
-        return _tree_cpu_seconds(self.proc.pid)
+    def cpu(self) -> dict[str, float]:
+        return _process_tree_cpu(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -117,10 +136,14 @@ class Server:
 
 
 async def _measure(server: Server, url: str, concurrency: int, quick: bool) -> dict:
-    # Warm up (connections, JIT-free but caches and Serve's routers).
+    # Warm up (connections, Serve's routers, the engine's caches).
     await closed_loop(
         url, BODY, concurrency=concurrency, requests=concurrency * 3, api_key=BENCH_KEY
     )
+    # What the server burns doing nothing (Ray's control plane polls): subtracted below.
+    idle0 = server.cpu()
+    await asyncio.sleep(2)
+    idle_rate = {k: (v - idle0.get(k, 0.0)) / 2 for k, v in server.cpu().items()}
     cpu0 = server.cpu()
     if concurrency == 1:
         run = await closed_loop(
@@ -130,10 +153,18 @@ async def _measure(server: Server, url: str, concurrency: int, quick: bool) -> d
         run = await closed_loop(
             url, BODY, concurrency=concurrency, duration_s=4 if quick else 10, api_key=BENCH_KEY
         )
-    cpu = server.cpu() - cpu0
+    cpu1 = server.cpu()
+    busy = {
+        k: max(0.0, v - cpu0.get(k, 0.0) - idle_rate.get(k, 0.0) * run.wall_s)
+        for k, v in cpu1.items()
+    }
     summary = run.summary()
-    summary["server_cpu_ms_per_req"] = cpu * 1000 / max(1, summary["ok"])
-    summary["server_cpu_util"] = cpu / run.wall_s
+    ok = max(1, summary["ok"])
+    hop = busy.get("gateway", 0.0) + busy.get("proxy", 0.0) + busy.get("scheduler", 0.0)
+    summary["server_cpu_ms_per_req"] = sum(busy.values()) * 1000 / ok
+    summary["gateway_cpu_ms_per_req"] = hop * 1000 / ok  # gateway (+ proxy, scheduler)
+    summary["engine_cpu_ms_per_req"] = busy.get("engine", 0.0) * 1000 / ok
+    summary["req_per_gateway_core_s"] = ok / hop if hop else float("nan")
     return summary
 
 
@@ -143,7 +174,7 @@ async def _bench_path(
     concurrencies: list[int],
     quick: bool,
     env: dict[str, str] | None = None,
-) -> list[dict]:
+    redis_url: str | None = None) -> list[dict]:
     port = _free_port()
     engine = json.dumps(ENGINES[engine_name])
     if path == "direct":
@@ -191,7 +222,9 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     for engine_name in args.engines:
         rows += await _bench_path("direct", engine_name, args.concurrency, args.quick)
         for mode in args.modes:
-            rows += await _bench_path(mode, engine_name, args.concurrency, args.quick, modes[mode])
+            rows += await _bench_path(
+                mode, engine_name, args.concurrency, args.quick, modes[mode], args.redis_url
+            )
     return rows
 
 
@@ -202,6 +235,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["gateway", "gateway-throughput-optimized"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--out", default="loadtest/results/overhead.json")
+    parser.add_argument("--redis-url", default=None, help="gateway store (embedded without)")
     args = parser.parse_args()
     rows = asyncio.run(main_async(args))
     out = Path(args.out)

@@ -19,17 +19,24 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 BENCH_KEY = "sk-bench-local-only"
 
 
-def forge_args(engine: dict, replicas: int, max_num_seqs: int) -> dict:
+def forge_args(engine: dict, replicas: int, redis_url: str | None) -> dict:
+    """Every stage on: a metered tenant (budgets too large to bite) and fair admission."""
     return {
         "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
+        "store": {"redis_url": redis_url, "key_prefix": "forge-bench:"},
         "tenants": [
-            {"name": "bench", "key_hashes": [hashlib.sha256(BENCH_KEY.encode()).hexdigest()]}
+            {
+                "name": "bench",
+                "key_hashes": [hashlib.sha256(BENCH_KEY.encode()).hexdigest()],
+                "limits": {"rpm": 10**7, "tpm": 10**9, "max_concurrent_streams": 10**4},
+            }
         ],
         "pools": [
             {
                 "name": "primary",
                 "model": "forge-sim",
-                "engine": {**engine, "max_num_seqs": max_num_seqs},
+                "engine": engine,
+                "admission": {"max_inflight": 4096, "queue_cap": 4096},
                 "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
             }
         ],
@@ -43,7 +50,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--engine", default="{}")
     parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--redis-url", default=None, help="the store; embedded without one")
     args = parser.parse_args()
 
     import ray
@@ -54,7 +61,7 @@ def main() -> None:
 
     ray.init(num_cpus=1, object_store_memory=100 * 1024 * 1024, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    app = build_app(forge_args(orjson.loads(args.engine), args.replicas, args.max_num_seqs))
+    app = build_app(forge_args(orjson.loads(args.engine), args.replicas, args.redis_url))
     serve.run(app, name="forge", route_prefix="/")
     time.sleep(2)  # let the proxy learn the routes
     direct = replica_admin.direct_ingress_url("forge") or "-"

@@ -62,14 +62,22 @@ class SchedulerDeployment:
             self._slots.set(snap.slots_used, tags={"pool": self.pool})
             await asyncio.sleep(_EXPORT_EVERY_S)
 
-    async def acquire(self, tenant: str, tier: str | None) -> tuple[str, float]:
-        """A lease id and its TTL, or ``scheduler.Shed`` (raised through the handle)."""
+    async def acquire(
+        self, tenant: str, tier: str | None, released: list[str] = ()
+    ) -> tuple[str, float]:
+        """A lease id and its TTL, or ``scheduler.Shed`` (raised through the handle).
+
+        ``released``: leases the caller freed since its last call, piggybacked so that a busy
+        gateway pays one scheduler round trip per request, not two. They are released first,
+        so their slots go to whoever waited longest, as a separate release call would.
+        """
         self._ensure_housekeeping()
+        self.release(released)
         grant = await self.scheduler.acquire(tenant, tier=tier, deadline_s=self.config.deadline_s)
         return grant.lease_id, grant.expires_at - grant.granted_at
 
-    def release(self, lease_id: str) -> bool:
-        return self.scheduler.release(lease_id)
+    def release(self, lease_ids: list[str]) -> int:
+        return sum(self.scheduler.release(lease_id) for lease_id in lease_ids)
 
     def renew(self, lease_id: str) -> bool:
         return self.scheduler.renew(lease_id) is not None

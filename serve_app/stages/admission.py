@@ -1,7 +1,8 @@
 """Stage 5: fair admission. A slot of the pool, from its scheduler, before dispatch.
 
-One scheduler round trip to acquire (it may wait in the tenant's queue up to the deadline) and
-one fire-and-forget release when the response ends, on every exit path. A long generation
+One scheduler round trip to acquire (it may wait in the tenant's queue up to the deadline);
+the release, on every exit path, rides along with the gateway's next acquire, or goes on its own
+after at most ``RELEASE_FLUSH_S`` when no acquire comes (a quiet gateway). A long generation
 renews its lease so the scheduler does not reclaim a live slot. If the scheduler cannot be
 reached the request is admitted (fail open) and counted: admission protects latency, it must
 never become the outage.
@@ -28,6 +29,8 @@ from serve_app.scheduler import Shed
 logger = logging.getLogger("ray.serve")
 
 PRIORITY_HEADER = "x-forge-priority"
+# Longest a freed slot waits for a ride on an acquire before it is released on its own.
+RELEASE_FLUSH_S = 0.005
 _WARN_EVERY_S = 30.0
 
 
@@ -44,6 +47,7 @@ class AdmissionStage:
         self.metrics = metrics
         self.tenants = {t.name: t for t in tenants}
         self._last_warning = 0.0
+        self._releases = {model: _ReleaseBatch(handle) for model, handle in schedulers.items()}
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         scheduler = self.schedulers.get(ctx.parsed.model)
@@ -51,9 +55,10 @@ class AdmissionStage:
             return await call_next(ctx)
         tenant = ctx.tenant.name
         wait_limit = self.deadlines[ctx.parsed.model] + 5.0
+        releases = self._releases[ctx.parsed.model]
         try:
             lease_id, ttl_s = await asyncio.wait_for(
-                scheduler.acquire.remote(tenant, self._tier(ctx)), wait_limit
+                scheduler.acquire.remote(tenant, self._tier(ctx), releases.take()), wait_limit
             )
         except Shed as shed:
             self.metrics.shed.inc(tags={"tenant": tenant, "reason": shed.reason})
@@ -76,7 +81,7 @@ class AdmissionStage:
             if not released:
                 released = True
                 renewer.cancel()
-                scheduler.release.remote(lease_id)
+                releases.add(lease_id)
 
         try:
             response = await call_next(ctx)
@@ -107,3 +112,26 @@ async def _keep_alive(scheduler: DeploymentHandle, lease_id: str, ttl_s: float) 
             await asyncio.sleep(ttl_s / 3)
             with contextlib.suppress(Exception):
                 await scheduler.renew.remote(lease_id)
+
+
+class _ReleaseBatch:
+    """Freed leases waiting to ride on the next acquire, flushed alone if none comes soon."""
+
+    def __init__(self, scheduler: DeploymentHandle) -> None:
+        self.scheduler = scheduler
+        self.pending: list[str] = []
+        self._flush: asyncio.TimerHandle | None = None
+
+    def add(self, lease_id: str) -> None:
+        self.pending.append(lease_id)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self._send)
+
+    def take(self) -> list[str]:
+        taken, self.pending = self.pending, []
+        return taken
+
+    def _send(self) -> None:
+        self._flush = None
+        if self.pending:
+            self.scheduler.release.remote(self.take())
