@@ -174,7 +174,8 @@ async def _bench_path(
     concurrencies: list[int],
     quick: bool,
     env: dict[str, str] | None = None,
-    redis_url: str | None = None) -> list[dict]:
+    redis_url: str | None = None,
+) -> list[dict]:
     port = _free_port()
     engine = json.dumps(ENGINES[engine_name])
     if path == "direct":

@@ -88,3 +88,26 @@ def test_new_key_round_trips_through_config_and_ring():
     key = new_key()
     ring = KeyRing([TenantConfig(name="t", key_hashes=[hash_key(key)])])
     assert ring.tenant_for(f"Bearer {key}").name == "t"
+
+
+def test_key_hashes_file_adds_keys_for_known_tenants(tmp_path):
+    from serve_app.auth import load_key_hashes_file
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"alpha: [{hash_key('sk-from-secret')}]\n")
+    extra = load_key_hashes_file(str(path), ["alpha", "beta"])
+    tenant = TenantConfig(name="alpha", key_hashes=[])
+    ring = KeyRing([tenant], extra)
+    assert ring.tenant_for("Bearer sk-from-secret").name == "alpha"
+
+
+@pytest.mark.parametrize(
+    "content", ["gamma: []\n", "alpha: not-a-list\n", "alpha: [abc]\n", "- just a list\n"]
+)
+def test_key_hashes_file_rejects_unknown_tenants_and_bad_hashes(tmp_path, content):
+    from serve_app.auth import load_key_hashes_file
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(content)
+    with pytest.raises(ValueError):
+        load_key_hashes_file(str(path), ["alpha"])
