@@ -40,7 +40,7 @@ def key(tenant: str) -> str:
     return f"sk-fairness-{tenant}"
 
 
-def forge_args() -> dict:
+def forge_args(share: float) -> dict:
     return {
         "tenants": [
             {"name": t, "key_hashes": [hashlib.sha256(key(t).encode()).hexdigest()]}
@@ -55,7 +55,7 @@ def forge_args() -> dict:
                     "max_inflight": 8,
                     "queue_cap": 4,
                     "deadline_s": 5,
-                    "max_tenant_share": 0.75,
+                    "max_tenant_share": share,
                 },
                 "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
             }
@@ -162,8 +162,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20)
     parser.add_argument("--out", default="loadtest/results/fairness.json")
     parser.add_argument("--plot", default="docs/img/fairness.png")
+    parser.add_argument("--share", type=float, default=0.75, help="admission.max_tenant_share")
     args = parser.parse_args()
-    url = start_forge(forge_args())
+    url = start_forge(forge_args(args.share))
     try:
         result = asyncio.run(drill(url, args.duration))
     finally:

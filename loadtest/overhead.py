@@ -175,6 +175,7 @@ async def _bench_path(
     quick: bool,
     env: dict[str, str] | None = None,
     redis_url: str | None = None,
+    pipeline: str = "full",
 ) -> list[dict]:
     port = _free_port()
     engine = json.dumps(ENGINES[engine_name])
@@ -194,9 +195,13 @@ async def _bench_path(
         _wait_ready(f"http://127.0.0.1:{port}/v1/models")
         urls = {"direct": f"http://127.0.0.1:{port}/v1/chat/completions"}
     else:
-        server = Server(
-            ["-m", "loadtest.serve_forge", "--port", str(port), "--engine", engine], env=env
-        )
+        argv = ["-m", "loadtest.serve_forge", "--port", str(port), "--engine", engine]
+        if redis_url:
+            argv += ["--redis-url", redis_url]
+        argv += ["--pipeline", pipeline]
+        if pipeline != "full":
+            path = f"{path} ({pipeline} pipeline)"
+        server = Server(argv, env=env)
         proxy, direct_ingress = server.read_ready()
         urls = {path: f"{proxy}/v1/chat/completions"}
         if direct_ingress != "-":
@@ -223,9 +228,16 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     for engine_name in args.engines:
         rows += await _bench_path("direct", engine_name, args.concurrency, args.quick)
         for mode in args.modes:
-            rows += await _bench_path(
-                mode, engine_name, args.concurrency, args.quick, modes[mode], args.redis_url
-            )
+            for pipeline in args.pipelines:
+                rows += await _bench_path(
+                    mode,
+                    engine_name,
+                    args.concurrency,
+                    args.quick,
+                    modes[mode],
+                    args.redis_url,
+                    pipeline,
+                )
     return rows
 
 
@@ -237,6 +249,13 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--out", default="loadtest/results/overhead.json")
     parser.add_argument("--redis-url", default=None, help="gateway store (embedded without)")
+    parser.add_argument(
+        "--pipelines",
+        nargs="+",
+        default=["full"],
+        choices=["full", "quota", "bare"],
+        help="which stages run: all, all but admission, neither quota nor admission",
+    )
     args = parser.parse_args()
     rows = asyncio.run(main_async(args))
     out = Path(args.out)

@@ -14,8 +14,9 @@ def overhead_table(data: dict) -> str:
     direct = {(r["engine"], r["concurrency"]): r for r in rows if r["path"] == "direct"}
     lines = [
         "| engine | path | c | req/s | TTFT p50 ms | added TTFT p50 ms | TTFT p95 ms | "
-        "total p50 ms | server CPU ms/req | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "total p50 ms | server CPU ms/req | gateway-hop CPU ms/req | req/s per gateway core "
+        "| errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = direct.get((r["engine"], r["concurrency"]))
@@ -23,7 +24,9 @@ def overhead_table(data: dict) -> str:
         lines.append(
             f"| {r['engine']} | {r['path']} | {r['concurrency']} | {r['req_per_s']:.0f} | "
             f"{r['ttft_p50_ms']:.2f} | {added:.2f} | {r['ttft_p95_ms']:.2f} | "
-            f"{r['total_p50_ms']:.1f} | {r['server_cpu_ms_per_req']:.2f} | {r['errors']} |"
+            f"{r['total_p50_ms']:.1f} | {r['server_cpu_ms_per_req']:.2f} | "
+            f"{r.get('gateway_cpu_ms_per_req', float('nan')):.2f} | "
+            f"{r.get('req_per_gateway_core_s', float('nan')):.0f} | {r['errors']} |"
         )
     return "\n".join(lines)
 

@@ -19,8 +19,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 BENCH_KEY = "sk-bench-local-only"
 
 
-def forge_args(engine: dict, replicas: int, redis_url: str | None) -> dict:
-    """Every stage on: a metered tenant (budgets too large to bite) and fair admission."""
+PIPELINES = ("full", "quota", "bare")
+
+
+def forge_args(engine: dict, replicas: int, redis_url: str | None, pipeline: str = "full") -> dict:
+    """``full``: every stage on, with a metered tenant (budgets too large to bite) and fair
+    admission; ``quota``: no admission; ``bare``: no budgets and no admission either."""
+    limits = {"rpm": 10**7, "tpm": 10**9, "max_concurrent_streams": 10**4}
+    admission = {"max_inflight": 4096, "queue_cap": 4096}
     return {
         "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
         "store": {"redis_url": redis_url, "key_prefix": "forge-bench:"},
@@ -28,7 +34,7 @@ def forge_args(engine: dict, replicas: int, redis_url: str | None) -> dict:
             {
                 "name": "bench",
                 "key_hashes": [hashlib.sha256(BENCH_KEY.encode()).hexdigest()],
-                "limits": {"rpm": 10**7, "tpm": 10**9, "max_concurrent_streams": 10**4},
+                "limits": limits if pipeline != "bare" else {},
             }
         ],
         "pools": [
@@ -36,7 +42,7 @@ def forge_args(engine: dict, replicas: int, redis_url: str | None) -> dict:
                 "name": "primary",
                 "model": "forge-sim",
                 "engine": engine,
-                "admission": {"max_inflight": 4096, "queue_cap": 4096},
+                "admission": admission if pipeline == "full" else None,
                 "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
             }
         ],
@@ -51,6 +57,7 @@ def main() -> None:
     parser.add_argument("--engine", default="{}")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--redis-url", default=None, help="the store; embedded without one")
+    parser.add_argument("--pipeline", choices=PIPELINES, default="full")
     args = parser.parse_args()
 
     import ray
@@ -61,7 +68,8 @@ def main() -> None:
 
     ray.init(num_cpus=1, object_store_memory=100 * 1024 * 1024, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    app = build_app(forge_args(orjson.loads(args.engine), args.replicas, args.redis_url))
+    engine = orjson.loads(args.engine)
+    app = build_app(forge_args(engine, args.replicas, args.redis_url, args.pipeline))
     serve.run(app, name="forge", route_prefix="/")
     time.sleep(2)  # let the proxy learn the routes
     direct = replica_admin.direct_ingress_url("forge") or "-"
