@@ -14,8 +14,11 @@ def frame(payload: dict) -> bytes:
 
 
 def frame_data(event: bytes) -> bytes:
-    """The JSON payload of one ``data:`` frame (without the prefix and the blank line)."""
-    return event[6:].strip() if event.startswith(b"data: ") else event.strip()
+    """The payload of one ``data:`` frame, without the field name, the optional space after
+    the colon (SSE allows both ``data: x`` and ``data:x``) and the blank line."""
+    if event.startswith(b"data:"):
+        return event[5:].strip()
+    return event.strip()
 
 
 async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:

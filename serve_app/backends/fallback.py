@@ -61,24 +61,17 @@ class FallbackBackend:
             content=self._upstream_body(body, stream=True),
             headers={"x-request-id": request_id},
         )
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            raise errors.upstream_timeout("The fallback model timed out.") from exc
-        except httpx.HTTPError as exc:
-            raise errors.bad_gateway(
-                f"The fallback model is unreachable: {type(exc).__name__}."
-            ) from exc
+        response = await self._send(request, stream=True)
         try:
             if response.status_code >= 400:
                 raise _upstream_error(response.status_code, await response.aread())
             async for events in sse.split_frames(response.aiter_raw()):
                 batch: list = []
                 for event in events:
-                    if event.startswith(sse.DONE[:12]):
+                    if sse.frame_data(event) == b"[DONE]":
                         continue  # the gateway sends its own [DONE]
                     if _may_carry_usage(event):
-                        usage_frame = orjson.loads(sse.frame_data(event))
+                        usage_frame = _decode(event)
                         if usage_frame.get("usage"):
                             batch.append({"usage": usage_frame["usage"]})
                             if not wants_usage and not usage_frame.get("choices"):
@@ -94,24 +87,29 @@ class FallbackBackend:
             await response.aclose()
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
-        try:
-            response = await self._client.post(
-                _PATHS[kind],
-                content=self._upstream_body(body, stream=False),
-                headers={"x-request-id": request_id},
-            )
-        except httpx.TimeoutException as exc:
-            raise errors.upstream_timeout("The fallback model timed out.") from exc
-        except httpx.HTTPError as exc:
-            raise errors.bad_gateway(
-                f"The fallback model is unreachable: {type(exc).__name__}."
-            ) from exc
+        request = self._client.build_request(
+            "POST",
+            _PATHS[kind],
+            content=self._upstream_body(body, stream=False),
+            headers={"x-request-id": request_id},
+        )
+        response = await self._send(request, stream=False)
         if response.status_code >= 400:
             raise _upstream_error(response.status_code, response.content)
         try:
             return {"response": orjson.loads(response.content), "replica": None}
         except orjson.JSONDecodeError:
             raise errors.bad_gateway("The fallback model answered with invalid JSON.") from None
+
+    async def _send(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
+        try:
+            return await self._client.send(request, stream=stream)
+        except httpx.TimeoutException as exc:
+            raise errors.upstream_timeout("The fallback model timed out.") from exc
+        except httpx.HTTPError as exc:
+            raise errors.bad_gateway(
+                f"The fallback model is unreachable: {type(exc).__name__}."
+            ) from exc
 
     async def ready(self) -> bool:
         try:
@@ -129,8 +127,22 @@ def _may_carry_usage(event: bytes) -> bool:
     return b'"usage"' in event and b'"usage":null' not in event and b'"usage": null' not in event
 
 
+def _decode(event: bytes) -> dict:
+    try:
+        return orjson.loads(sse.frame_data(event))
+    except orjson.JSONDecodeError:
+        raise errors.bad_gateway("The fallback model sent a malformed event.") from None
+
+
 def _upstream_error(status: int, content: bytes) -> errors.ForgeError:
-    """4xx from upstream are the client's problem: pass their message on. 5xx are ours: 502."""
+    """Upstream's 4xx about the request are the client's: pass their message on. Its 5xx, and
+    4xx about *us* (our credentials, our quota with the provider), are a failing backend."""
+    if status in (401, 403):
+        return errors.bad_gateway(
+            f"The fallback model refused Forge's credentials (HTTP {status}); check its API key."
+        )
+    if status == 429:
+        return errors.backend_unavailable("The fallback model is rate limiting Forge.")
     if status >= 500:
         return errors.bad_gateway(f"The fallback model failed with HTTP {status}.")
     message, type_, code = f"The fallback model rejected the request (HTTP {status}).", None, None

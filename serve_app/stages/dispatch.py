@@ -8,6 +8,7 @@ an SSE error event; text the client has seen is never repeated or spliced.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -17,6 +18,8 @@ from starlette.responses import Response, StreamingResponse
 from serve_app import errors, sse
 from serve_app.backends.base import Backend
 from serve_app.pipeline import RequestContext
+
+logger = logging.getLogger("ray.serve")
 
 _STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -112,6 +115,12 @@ async def _relay(ctx: RequestContext, head: bytes, stream: AsyncIterator[list]):
                 yield out
         yield sse.DONE
     except errors.ForgeError as err:
+        ctx.stream_error = err.message
+        yield errors.error_event(err)
+    except Exception:
+        # Headers are sent: the only honest end left is an error event, never a truncation.
+        logger.exception("stream %s failed after its first byte", ctx.request_id)
+        err = errors.bad_gateway("The stream failed after it started.")
         ctx.stream_error = err.message
         yield errors.error_event(err)
     finally:

@@ -261,3 +261,25 @@ async def test_ready_reflects_models_endpoint(make_backend):
     assert await down.ready() is False
     gone, _ = make_backend(raising(httpx.ConnectError))
     assert await gone.ready() is False
+
+
+@pytest.mark.parametrize(("status", "expected"), [(401, 502), (403, 502), (429, 503)])
+async def test_upstream_refusing_forge_itself_is_a_backend_failure(make_backend, status, expected):
+    """Our credentials or our provider quota are not the client's fault: 5xx, failover-able."""
+    backend, _ = make_backend(lambda request: httpx.Response(status, json={"error": {}}))
+    with pytest.raises(ForgeError) as info:
+        await batches_of(backend, CHAT)
+    assert info.value.status == expected
+
+
+async def test_done_without_a_space_is_still_dropped(make_backend):
+    backend, _ = make_backend(sse_response(HELLO, b"data:[DONE]\n\n"))
+    assert frames(await batches_of(backend, CHAT)) == HELLO
+
+
+async def test_a_malformed_usage_frame_is_a_clean_502(make_backend):
+    broken = b'data: {"choices":[],"usage":{"prompt_tokens": 3\n\n'
+    backend, _ = make_backend(sse_response(HELLO, broken))
+    with pytest.raises(ForgeError) as info:
+        await batches_of(backend, CHAT)
+    assert info.value.status == 502

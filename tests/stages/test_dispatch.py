@@ -32,7 +32,7 @@ class FakeBackend:
         batches: list[list] | None = None,
         *,
         fail_before: ForgeError | None = None,
-        fail_after: ForgeError | None = None,
+        fail_after: Exception | None = None,
         response: dict | None = None,
         replica: str | None = "replica-1",
     ) -> None:
@@ -180,6 +180,16 @@ async def test_error_after_first_item_ends_stream_with_error_event_and_no_done()
     assert ctx.stream_error == "replica died mid-stream"
     assert ctx.backend == "primary"
     assert fallback.calls == []  # text already sent is never spliced with another backend's
+
+
+async def test_an_unexpected_failure_after_first_item_still_ends_with_an_error_event():
+    primary = FakeBackend("primary", [[chunk("a")]], fail_after=RuntimeError("bug"))
+    ctx = make_ctx()
+    parts = await body_of(await Dispatch({MODEL: [primary]})(ctx))
+    assert parts[0] == chunk("a")
+    error = orjson.loads(parts[-1][len(b"data: ") :])["error"]
+    assert error["code"] == "bad_gateway" and "bug" not in error["message"]
+    assert sse.DONE not in b"".join(parts)
 
 
 async def test_client_going_away_closes_the_backend_stream():
