@@ -65,6 +65,11 @@ class ForgeMetrics:
             tag_keys=("op",),
         )
 
+        self.admitted = Counter(
+            "forge_admitted_total",
+            description="Requests granted a slot by fair admission, by tenant.",
+            tag_keys=("tenant",),
+        )
         self.admission_errors = Counter(
             "forge_admission_errors_total",
             description="Scheduler calls that failed; the request was admitted (fail open).",

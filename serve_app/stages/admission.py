@@ -73,6 +73,7 @@ class AdmissionStage:
             self._fail_open(exc)
             return await call_next(ctx)
 
+        self.metrics.admitted.inc(tags={"tenant": tenant})
         renewer = asyncio.create_task(_keep_alive(scheduler, lease_id, ttl_s))
         released = False
 

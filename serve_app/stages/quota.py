@@ -73,9 +73,12 @@ class QuotaStage:
             metered, lease = False, None
 
         settled = False
+        renewer = asyncio.create_task(self._keep_lease(quota, lease)) if lease is not None else None
 
         def settle(completed: bool) -> None:
             nonlocal settled
+            if renewer is not None:
+                renewer.cancel()
             if settled or not metered:
                 return
             settled = True
@@ -107,6 +110,15 @@ class QuotaStage:
             self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
             raise quota.too_many_streams(holders)
         return lease_id
+
+    async def _keep_lease(self, quota: TenantQuota, lease: str) -> None:
+        """Renew a live request's lease at a third of its TTL: a 10-minute stream keeps it."""
+        while True:
+            await asyncio.sleep(LEASE_TTL_S / 3)
+            try:
+                await self.store.renew_lease(quota.stream_key, lease, LEASE_TTL_S)
+            except StoreError as exc:
+                self._fail_open("renew", exc)
 
     async def _settle(
         self,

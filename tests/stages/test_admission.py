@@ -30,6 +30,7 @@ class Counter:
 class Metrics:
     def __init__(self) -> None:
         self.shed = Counter()
+        self.admitted = Counter()
         self.admission_errors = Counter()
 
 
