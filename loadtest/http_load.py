@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -123,7 +124,7 @@ class Connection:
 
 async def closed_loop(
     url: str,
-    body: dict,
+    body: dict | Callable[[], dict],
     *,
     concurrency: int,
     duration_s: float | None = None,
@@ -136,10 +137,11 @@ async def closed_loop(
 
     With ``keep_alive=False`` each worker closes its connection right after the response ends
     (after ``[DONE]``), as many SDK users with a client per request do. A worker refused with
-    a 429 waits ``pause_after_refusal_s`` before its next request.
+    a 429 waits ``pause_after_refusal_s`` before its next request. ``body`` may be a callable
+    that makes each request's body (a workload mix).
     """
     parts = urlsplit(url)
-    payload = orjson.dumps(body)
+    fixed = None if callable(body) else orjson.dumps(body)
     headers = {"content-type": "application/json"}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
@@ -159,6 +161,7 @@ async def closed_loop(
                         return
                     remaining -= 1
                 try:
+                    payload = fixed if fixed is not None else orjson.dumps(body())
                     sample = await conn.request("POST", parts.path, headers, payload)
                     result.samples.append(sample)
                     if not keep_alive:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from serve_app.admission import SchedulerDeployment
 from serve_app.config import PoolConfig, load_config
@@ -53,5 +54,16 @@ def _replica_options(pool: PoolConfig) -> dict[str, Any]:
     (as with vLLM), while the rest waits in Serve's router, which can still choose a replica.
     """
     options: dict[str, Any] = {"max_ongoing_requests": 2 * pool.engine.max_num_seqs}
+    routing = pool.routing
+    if routing.policy != "power_of_two":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="serve_app.routing.serve_router:ForgeRequestRouter",
+            request_router_kwargs={
+                "policy": routing.policy,
+                "block_size": pool.engine.block_size,
+                **routing.options,
+            },
+            request_routing_stats_period_s=routing.stats_period_s,
+        )
     options.update(pool.deployment)
     return options

@@ -91,6 +91,22 @@ class AdmissionConfig(_Strict):
     max_tenant_share: Annotated[float, Field(gt=0, le=1)] = 1.0
 
 
+class RoutingConfig(_Strict):
+    """How a pool's replica is chosen for each request (see ``serve_app/routing/``)."""
+
+    policy: Literal[
+        "power_of_two",
+        "round_robin",
+        "least_in_flight",
+        "least_queue",
+        "prefix_affinity",
+        "kv_aware",
+    ] = "power_of_two"  # Serve's own router
+    options: dict[str, Any] = Field(default_factory=dict)  # the policy's constructor arguments
+    # How often replicas report their load and cache state to the routers.
+    stats_period_s: Annotated[float, Field(gt=0)] = 1.0
+
+
 class PoolConfig(_Strict):
     """A primary pool: one replica deployment serving one model."""
 
@@ -104,6 +120,7 @@ class PoolConfig(_Strict):
     # Whether requests for this pool's model may be served by the fallback backend.
     fallback: bool = True
     admission: AdmissionConfig | None = None
+    routing: RoutingConfig = RoutingConfig()
     # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
     # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)

@@ -103,8 +103,11 @@ class Replica:
         return {"replica": self.replica_id, **self.engine.stats().as_dict()}
 
     def record_routing_stats(self) -> dict:
-        """Serve calls this periodically; request routers read it (see routing policies)."""
-        return self.engine.stats().as_dict()
+        """Serve calls this periodically; request routers read it (see ``routing/``)."""
+        stats = self.engine.stats().as_dict()
+        if self.pool.routing.policy == "kv_aware":
+            stats["cached_blocks"] = self.engine.cached_block_hashes()
+        return stats
 
     def set_fault(self, spec: dict | None) -> dict:
         self.faults.spec = FaultSpec.model_validate(spec or {})

@@ -80,6 +80,11 @@ class Engine(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    def cached_block_hashes(self) -> list[int]:
+        """Prefix-cache block hashes (vLLM's chain over full prompt blocks), for KV-aware
+        routing. Engines that cannot tell return nothing; routing then ignores cache state."""
+        return []
+
     @abstractmethod
     async def check_health(self) -> None:
         """Raise if the engine cannot serve."""

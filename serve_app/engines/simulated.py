@@ -141,6 +141,9 @@ class SimulatedEngine(Engine):
             max_num_seqs=self.config.max_num_seqs,
         )
 
+    def cached_block_hashes(self) -> list[int]:
+        return self.llm.cached_block_hashes()
+
     def set_slow_factor(self, factor: float) -> None:
         self.llm.slow_factor = factor
 

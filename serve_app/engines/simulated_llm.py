@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from serve_app.engines.base import EngineError
+from serve_app.routing.base import prefix_block_hashes
 from serve_app.tokenizer import OUTPUT_WORDS, token_id
 
 FinishReason = Literal["stop", "length"]
@@ -99,13 +100,12 @@ def _output_seed(prompt_token_ids: Sequence[int], seed_text: str | None) -> int:
 
 
 def _block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """vLLM's hash chain over the full blocks of a prompt: each hash commits to its prefix."""
-    hashes = []
-    parent: int | None = None
-    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(prompt_token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return tuple(hashes)
+    """vLLM's hash chain over the full blocks of a prompt: each hash commits to its prefix.
+
+    The same function the gateway's routers use, so the blocks a replica reports as cached are
+    the blocks a router computes for a prompt (``hash()`` would differ between processes).
+    """
+    return prefix_block_hashes(prompt_token_ids, block_size)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -306,6 +306,11 @@ class SimulatedLLM:
     def prefix_cache_hits(self) -> int:
         """Prompt tokens found in the prefix cache, cumulative."""
         return self._prefix_cache_hits
+
+    def cached_block_hashes(self) -> list[int]:
+        """Hashes of the prompt blocks in the prefix cache (in use or evictable): what a
+        KV-aware router needs to know which replica already holds a prefix."""
+        return list(self._pool._refs)
 
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by running requests; evictable cached blocks count as free."""

@@ -41,6 +41,7 @@ LIMITED_TENANTS = {
     "streams": {"max_concurrent_streams": 2},
     "outage": {"rpm": 1, "burst_requests": 3},
 }
+ROUTED_POLICIES = ("prefix_affinity", "kv_aware")
 # Tenants of the fair-admission pool: one floods, one is light.
 FAIR_TENANTS = ("flood", "light")
 
@@ -106,6 +107,18 @@ def forge_args(port: int, redis_url: str | None) -> dict:
                 },
                 "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
             },
+            *(
+                {
+                    # Routing policies that keep a prompt prefix on the replica that has it.
+                    "name": policy.replace("_", "-"),
+                    "model": f"forge-{policy.replace('_', '-')}",
+                    "engine": fast,
+                    "fallback": False,
+                    "routing": {"policy": policy, "stats_period_s": 0.2},
+                    "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
+                }
+                for policy in ROUTED_POLICIES
+            ),
         ],
         "fallback": {
             "base_url": f"http://127.0.0.1:{port}/mock/v1",

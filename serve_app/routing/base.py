@@ -1,0 +1,172 @@
+"""What every routing policy shares: the replica and request views, the interface, the registry.
+
+Policies are pure: no Ray, no I/O, no clock. The Ray Serve ``RequestRouter`` adapter builds a
+``ReplicaView`` of each live replica for every request (its own in-flight count plus the routing
+stats the replica last published), a ``RouteRequest`` from the prompt, and asks the pool's policy
+for a ranking. Replicas whose breaker is open arrive with ``excluded=True`` and never appear in a
+ranking, so the adapter's next choice is simply the next id in the list.
+
+Load, wherever a policy needs one number (``replica_load``), is ``in_flight + running + waiting``.
+``running`` saturates at ``max_num_seqs``, so a replica that is melting shows it only in
+``waiting``; ``in_flight`` is this gateway's own count, fresh on every request, whereas the
+replica's numbers are as old as its last stats report. The sum counts this gateway's requests
+twice once a report catches up with them; that overestimate is the safe direction for a load
+bound (stale stats under a burst would otherwise undercount), and since every replica is scaled
+alike it barely moves a bound that is relative to the mean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+POLICY_NAMES: tuple[str, ...] = (
+    "round_robin",
+    "least_in_flight",
+    "least_queue",
+    "prefix_affinity",
+    "kv_aware",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One live replica as the router sees it for one request."""
+
+    replica_id: str
+    in_flight: int  # requests this gateway has in flight on it (the router's own count)
+    running: int = 0  # the replica's routing stats: num_requests_running
+    waiting: int = 0  # num_requests_waiting
+    kv_cache_usage: float = 0.0  # 0..1, kv_cache_usage_perc
+    cached_blocks: frozenset[int] = frozenset()  # prefix-cache block hashes it reported
+    excluded: bool = False  # e.g. its circuit breaker is open: never chosen
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy may know about a request: its prompt's block hash chain, system prompt first.
+
+    Empty when the prompt is shorter than one block (or the adapter has no token ids).
+    """
+
+    block_hashes: tuple[int, ...] = ()
+
+
+class RoutingPolicy(ABC):
+    """Ranks replicas for one request, best first.
+
+    ``rank`` is called exactly once per routed request (round robin advances on each call).
+    Excluded replicas never appear in the ranking; it is empty when no replica is eligible.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rank(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> list[str]:
+        """Replica ids, best first."""
+
+    def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:  # noqa: B027
+        """The deployment's replica set changed; policies with per-set state may rebuild it."""
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """Parent-chained hashes of the prompt's full blocks; the partial last block is not hashed.
+
+    Block ``i``'s hash commits to every token up to the end of block ``i`` (each digest includes
+    its parent's), as vLLM's and the simulated engine's prefix caches do. It is a blake2b digest
+    of the token ids as little-endian int64, so it is the same in every process: the gateway and
+    the replicas must agree on it, and builtin ``hash`` does not (``hash(None)``, which seeds the
+    chain in ``serve_app.engines.simulated_llm._block_hashes``, is an address on Python < 3.12).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    ids = array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    raw = ids.tobytes()
+    step = block_size * ids.itemsize
+    hashes: list[int] = []
+    parent = b""
+    for start in range(0, len(raw) - step + 1, step):
+        parent = hashlib.blake2b(parent + raw[start : start + step], digest_size=8).digest()
+        hashes.append(int.from_bytes(parent, "little"))
+    return tuple(hashes)
+
+
+def stable_hash64(data: bytes) -> int:
+    """A 64-bit hash that is the same on every gateway replica (ring points, ring keys)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def eligible(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+    return [r for r in replicas if not r.excluded]
+
+
+def replica_load(replica: ReplicaView) -> int:
+    """``in_flight + running + waiting``; the module docstring says why all three."""
+    return replica.in_flight + replica.running + replica.waiting
+
+
+def least_loaded(replicas: Sequence[ReplicaView]) -> list[str]:
+    """Eligible ids by ``replica_load``, ties by id so every gateway replica agrees."""
+    return [
+        r.replica_id
+        for r in sorted(eligible(replicas), key=lambda r: (replica_load(r), r.replica_id))
+    ]
+
+
+def bounded_load_order(
+    preference: Sequence[ReplicaView], load_factor: float
+) -> tuple[list[str], bool]:
+    """Keep ``preference`` order but move replicas over the load bound to the back.
+
+    Bound: a replica is over it when ``load > load_factor × mean load + 1``, the mean taken over
+    ``preference`` (the eligible replicas). The ``+ 1`` keeps a nearly idle fleet from spilling on
+    every request. Some replica is always at or under the mean, so with ``load_factor >= 1`` the
+    head of the result is never over the bound. Returns the ranking and whether the preferred
+    replica spilled over.
+    """
+    if not preference:
+        return [], False
+    loads = [replica_load(r) for r in preference]
+    bound = load_factor * (sum(loads) / len(loads)) + 1
+    under = [r.replica_id for r, load in zip(preference, loads, strict=True) if load <= bound]
+    over = [r.replica_id for r, load in zip(preference, loads, strict=True) if load > bound]
+    return under + over, loads[0] > bound
+
+
+def build_policy(name: str, **kwargs: Any) -> RoutingPolicy:
+    """The policy registered under ``name``, built with ``kwargs``; errors name the bad input."""
+    # Imported here: the policy modules import this one.
+    from serve_app.routing.kv_aware import KvAwarePolicy
+    from serve_app.routing.least_in_flight import LeastInFlightPolicy
+    from serve_app.routing.least_queue import LeastQueuePolicy
+    from serve_app.routing.prefix_affinity import PrefixAffinityPolicy
+    from serve_app.routing.round_robin import RoundRobinPolicy
+
+    classes: dict[str, type[RoutingPolicy]] = {
+        cls.name: cls
+        for cls in (
+            RoundRobinPolicy,
+            LeastInFlightPolicy,
+            LeastQueuePolicy,
+            PrefixAffinityPolicy,
+            KvAwarePolicy,
+        )
+    }
+    cls = classes.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown routing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"
+        )
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"routing policy {name!r}: {exc}") from None
+    return cls(**kwargs)

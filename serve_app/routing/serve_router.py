@@ -1,0 +1,77 @@
+"""The Ray Serve ``RequestRouter`` that runs a Forge routing policy where Serve picks a replica.
+
+It runs inside each caller of the pool's handle (the gateway replicas): no extra actor hop per
+request. For every request it builds a ``ReplicaView`` of each candidate (the router's own count
+of requests in flight on it, plus the replica's last published routing stats) and a
+``RouteRequest`` (the prompt's block-hash chain), asks the policy for a ranking and hands Serve
+one replica per rank, so Serve's own retry walks the policy's order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from serve_app import tokenizer
+from serve_app.protocol import prompt_text
+from serve_app.routing.base import (
+    ReplicaView,
+    RouteRequest,
+    RoutingPolicy,
+    build_policy,
+    prefix_block_hashes,
+)
+
+# Enough text for the first blocks a policy looks at; tokenizing a 100 kB prompt per request
+# to hash 4 blocks of it would cost more than the routing decision.
+_PREFIX_CHARS = 16_384
+
+
+class ForgeRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(
+        self,
+        policy: str = "round_robin",
+        block_size: int = 16,
+        route_blocks: int = 64,
+        **options: Any,
+    ) -> None:
+        self.policy: RoutingPolicy = build_policy(policy, **options)
+        self.block_size = block_size
+        self.route_blocks = route_blocks
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self._view(r) for r in candidate_replicas]
+        ranked = self.policy.rank(views, self._route_request(pending_request))
+        return [[by_id[replica_id]] for replica_id in ranked if replica_id in by_id]
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        stats = replica.routing_stats or {}
+        # Serve's cached count of the replica's ongoing requests (its last report, bumped on
+        # every request this router sends): fresh enough to balance on, cheap to read.
+        in_flight = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return ReplicaView(
+            replica_id=replica.replica_id.unique_id,
+            in_flight=in_flight,
+            running=int(stats.get("num_requests_running", 0)),
+            waiting=int(stats.get("num_requests_waiting", 0)),
+            kv_cache_usage=float(stats.get("kv_cache_usage_perc", 0.0)),
+            cached_blocks=frozenset(stats.get("cached_blocks", ())),
+        )
+
+    def _route_request(self, pending: PendingRequest | None) -> RouteRequest:
+        """The prompt's block hashes, from the call ``stream/complete(body, kind, request_id)``."""
+        if pending is None or len(pending.args) < 2 or not isinstance(pending.args[0], dict):
+            return RouteRequest()
+        body, kind = pending.args[0], pending.args[1]
+        try:
+            text = prompt_text(body, kind)[:_PREFIX_CHARS]
+        except (KeyError, IndexError, TypeError):
+            return RouteRequest()
+        ids = tokenizer.encode(text)[: self.block_size * self.route_blocks]
+        return RouteRequest(prefix_block_hashes(ids, self.block_size))
