@@ -21,22 +21,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_forge(args: dict) -> str:
-    """Run Forge with these ``args``; returns the cheapest URL to drive it (direct ingress)."""
+_port: int | None = None
+
+
+def start_forge(args: dict, *, reuse: bool = False) -> str:
+    """Run Forge with these ``args``; returns the cheapest URL to drive it (direct ingress).
+
+    ``reuse``: deploy into the Ray instance an earlier call started (drills that compare several
+    configs one after another).
+    """
     import ray
     from ray import serve
 
     from serve_app import replica_admin
     from serve_app.app import build_app
 
-    ray.init(
-        num_cpus=2,
-        object_store_memory=100 * 1024 * 1024,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    global _port
+    if not (reuse and ray.is_initialized()):
+        ray.init(
+            num_cpus=2,
+            object_store_memory=100 * 1024 * 1024,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        _port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": _port})
+    port = _port
     serve.run(build_app(args), name=APP, route_prefix="/")
     url = replica_admin.direct_ingress_url(APP) or f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -33,11 +33,37 @@ def overhead_table(data: dict) -> str:
 
 def main() -> None:
     data = json.loads(open(sys.argv[1]).read())
+    if "meta" not in data:  # the routing experiment's file
+        print(routing_table(data))
+        return
     print(
         f"Command: `{data['meta']['command']}`; machine: {data['meta']['machine']}, "
         f"Python {data['meta']['python']}.\n"
     )
     print(overhead_table(data))
+
+
+def routing_table(data: dict) -> str:
+    lines = [
+        "| workload | policy | req/s | TTFT p50 ms | TTFT p95 ms | total p50 ms | total p95 ms "
+        "| hit rate | % of oracle | max/mean load | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['workload']} | {r['policy']} | {r['req_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p95_ms']:.0f} | {r['total_p50_ms']:.0f} | {r['total_p95_ms']:.0f} | "
+            f"{r['hit_rate']:.1%} | {r['hit_rate'] / r['oracle_hit_rate']:.0%} | "
+            f"{r['max_over_mean_load']:.2f} | {r['errors']} |"
+        )
+    for workload in ("main", "skewed"):
+        oracle = [r["oracle_hit_rate"] for r in data["rows"] if r["workload"] == workload]
+        if oracle:
+            lines.append(
+                f"| {workload} | **oracle** | | | | | | {sum(oracle) / len(oracle):.1%} | "
+                "100% | | |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

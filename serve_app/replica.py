@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.metrics import Gauge
 
 from serve_app.config import PoolConfig
 from serve_app.engines.base import Engine, Kind, Usage
@@ -42,6 +43,7 @@ class Replica:
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = "local"
         self._started = False
+        self._gauges: dict | None = None
 
     async def _ensure_started(self) -> None:
         if not self._started:
@@ -103,11 +105,28 @@ class Replica:
         return {"replica": self.replica_id, **self.engine.stats().as_dict()}
 
     def record_routing_stats(self) -> dict:
-        """Serve calls this periodically; request routers read it (see ``routing/``)."""
+        """Serve calls this periodically; request routers read it (see ``routing/``). The same
+        numbers go to the engine gauges, so dashboards see what routers see."""
         stats = self.engine.stats().as_dict()
+        self._export(stats)
         if self.pool.routing.policy == "kv_aware":
             stats["cached_blocks"] = self.engine.cached_block_hashes()
         return stats
+
+    def _export(self, stats: dict) -> None:
+        if self._gauges is None:
+            self._gauges = {
+                name: Gauge(f"forge_engine_{name}", description=f"vLLM's {name}, per replica.")
+                for name in (
+                    "num_requests_running",
+                    "num_requests_waiting",
+                    "kv_cache_usage_perc",
+                    "prefix_cache_queries",
+                    "prefix_cache_hits",
+                )
+            }
+        for name, gauge in self._gauges.items():
+            gauge.set(stats[name])
 
     def set_fault(self, spec: dict | None) -> dict:
         self.faults.spec = FaultSpec.model_validate(spec or {})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ray.serve.metrics import Counter
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import tokenizer
@@ -37,7 +38,21 @@ class ForgeRequestRouter(FIFOMixin, RequestRouter):
         **options: Any,
     ) -> None:
         self.policy: RoutingPolicy = build_policy(policy, **options)
+        self.policy_name = policy
         self.block_size = block_size
+        pool = self._deployment_id.name
+        self._routed = Counter(
+            "forge_routed_total",
+            description="Requests routed to each replica of a pool, by policy.",
+            tag_keys=("pool", "policy", "target"),
+        )
+        self._spillovers = Counter(
+            "forge_route_spillovers_total",
+            description="Requests whose preferred replica was over the load bound.",
+            tag_keys=("pool", "policy"),
+        )
+        for counter in (self._routed, self._spillovers):
+            counter.set_default_tags({"pool": pool, "policy": policy})
         self.route_blocks = route_blocks
 
     async def choose_replicas(
@@ -47,8 +62,14 @@ class ForgeRequestRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
+        spilled_before = getattr(self.policy, "spillovers", 0)
         ranked = self.policy.rank(views, self._route_request(pending_request))
+        if getattr(self.policy, "spillovers", 0) > spilled_before:
+            self._spillovers.inc()
         return [[by_id[replica_id]] for replica_id in ranked if replica_id in by_id]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self._routed.inc(tags={"target": replica_id.unique_id})
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         stats = replica.routing_stats or {}
