@@ -39,12 +39,29 @@ def _as_forge_error(exc: BaseException) -> errors.ForgeError:
     return errors.bad_gateway()
 
 
+async def _resolve(response):
+    return await response
+
+
+def _cancel(response) -> None:
+    """The caller gave up: the replica aborts the generation and frees its slot."""
+    with contextlib.suppress(Exception):
+        response.cancel()
+
+
 class PoolBackend:
-    def __init__(self, name: str, handle: DeploymentHandle, first_token_timeout_s: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        handle: DeploymentHandle,
+        first_token_timeout_s: float,
+        request_timeout_s: float = 600.0,
+    ) -> None:
         self.name = name
         self._handle = handle
         self._stream = handle.options(stream=True)
         self._first_token_timeout_s = first_token_timeout_s
+        self._request_timeout_s = request_timeout_s
 
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
         gen = self._stream.stream.remote(body, kind, request_id)
@@ -71,10 +88,13 @@ class PoolBackend:
     async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
         response = self._handle.complete.remote(body, kind, request_id)
         try:
-            return await response
+            return await asyncio.wait_for(_resolve(response), self._request_timeout_s)
         except asyncio.CancelledError:
-            response.cancel()
+            _cancel(response)
             raise
+        except TimeoutError:
+            _cancel(response)
+            raise errors.upstream_timeout("The model did not finish answering in time.") from None
         except Exception as exc:
             raise _as_forge_error(exc) from exc
 

@@ -85,6 +85,7 @@ def forge_args(port: int, redis_url: str | None) -> dict:
                 "engine": fast,
                 "fallback": False,
                 "first_token_timeout_s": 1.5,
+                "request_timeout_s": 2.0,
                 "deployment": {
                     "num_replicas": 1,
                     "max_ongoing_requests": 1,

@@ -138,6 +138,13 @@ def test_hung_replica_is_504_not_a_hang(openai_client, faults):
     assert info.value.status_code == 504
 
 
+def test_hung_replica_without_streaming_is_504_not_a_hang(openai_client, faults):
+    faults.set_all("pool-solo", {"mode": "hang"})
+    with pytest.raises(openai.InternalServerError) as info:
+        openai_client.chat.completions.create(model="forge-solo", messages=CHAT, max_tokens=3)
+    assert info.value.status_code == 504
+
+
 def test_full_pool_is_503(forge_url, openai_client, faults):
     faults.set_all("pool-solo", {"mode": "hang"})
     body = {"model": "forge-solo", "messages": CHAT, "max_tokens": 3, "stream": True}
