@@ -1,0 +1,67 @@
+"""The pipeline: stages run in the listed order, and the end of a response is observed once."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from serve_app.pipeline import RequestContext, compose, on_response_end
+
+
+def ctx() -> RequestContext:
+    return RequestContext(
+        Request({"type": "http", "method": "GET", "path": "/", "headers": []}), "chat"
+    )
+
+
+async def test_stages_run_in_order_around_the_endpoint():
+    seen: list[str] = []
+
+    def stage(name: str):
+        async def run(c, call_next):
+            seen.append(f"{name}>")
+            response = await call_next(c)
+            seen.append(f"<{name}")
+            return response
+
+        return run
+
+    async def endpoint(c):
+        seen.append("endpoint")
+        return Response(b"")
+
+    await compose([stage("a"), stage("b")], endpoint)(ctx())
+    assert seen == ["a>", "b>", "endpoint", "<b", "<a"]
+
+
+async def test_a_plain_response_ends_at_once():
+    calls = []
+    on_response_end(Response(b"x"), calls.append)
+    assert calls == [True]
+
+
+async def test_a_stream_ends_after_its_last_chunk():
+    async def body():
+        yield b"1"
+        yield b"2"
+
+    calls = []
+    response = on_response_end(StreamingResponse(body()), calls.append)
+    chunks = []
+    async for chunk in response.body_iterator:
+        assert calls == []
+        chunks.append(chunk)
+    assert chunks == [b"1", b"2"] and calls == [True]
+
+
+async def test_a_stream_the_client_left_ends_incomplete_exactly_once():
+    async def body():
+        for i in range(10):
+            yield str(i).encode()
+
+    calls = []
+    response = on_response_end(StreamingResponse(body()), calls.append)
+    iterator = response.body_iterator
+    await anext(iterator)
+    await iterator.aclose()  # what Starlette does when the client disconnects
+    assert calls == [False]
