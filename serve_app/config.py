@@ -117,8 +117,9 @@ class PoolConfig(_Strict):
     default_max_tokens: Annotated[int, Field(gt=0)] = 256
     # A replica that has not started answering by then is failed over (never a hang).
     first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
-    # A non-streaming request's whole answer must arrive by then (a stream's deadline is its
-    # first token: after that, tokens arriving are progress, not a hang).
+    # A stream that goes this long without a token has hung (a slow one has not).
+    idle_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    # Total deadline of a request, streaming or not: long enough for the longest healthy answer.
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     # Whether requests for this pool's model may be served by the fallback backend.
     fallback: bool = True

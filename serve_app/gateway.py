@@ -161,7 +161,9 @@ def _keyring(config: ForgeConfig) -> KeyRing:
 
 def _backends(config: ForgeConfig, pools: dict[str, DeploymentHandle]) -> dict[str, Backend]:
     backends: dict[str, Backend] = {
-        p.name: PoolBackend(p.name, pools[p.name], p.first_token_timeout_s, p.request_timeout_s)
+        p.name: PoolBackend(
+            p.name, pools[p.name], p.first_token_timeout_s, p.idle_timeout_s, p.request_timeout_s
+        )
         for p in config.pools
     }
     if config.fallback is not None:

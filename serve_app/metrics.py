@@ -94,9 +94,7 @@ class ForgeMetrics:
             self.ttft.observe(ttft_s, tags=timing_tags)
         self.duration.observe(duration_s, tags=timing_tags)
         if usage:
-            self.tokens.inc(
-                usage.get("prompt_tokens", 0), tags={"tenant": tenant, "kind": "prompt"}
-            )
-            self.tokens.inc(
-                usage.get("completion_tokens", 0), tags={"tenant": tenant, "kind": "completion"}
-            )
+            for kind in ("prompt", "completion"):
+                count = usage.get(f"{kind}_tokens")
+                if isinstance(count, int) and count > 0:  # upstream usage is data, not trusted
+                    self.tokens.inc(count, tags={"tenant": tenant, "kind": kind})

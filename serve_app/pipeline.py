@@ -7,6 +7,7 @@ The gateway lists the stages in the design's order; each stage is a module of ``
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app.config import TenantConfig
 from serve_app.engines.base import Kind
+
+logger = logging.getLogger("ray.serve")
 
 Handler = Callable[["RequestContext"], Awaitable[Response]]
 
@@ -48,14 +51,57 @@ class Stage(Protocol):
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response: ...
 
 
+class EventStream(StreamingResponse):
+    """An SSE response whose end is observed however it ends, even if its body never starts.
+
+    Starlette sends the headers before it first reads the body; a client that leaves in between
+    means the body generator never runs, so cleanup placed in it (release the slot, settle the
+    quota, abort the generation) would never happen. Here it runs when the response itself is
+    done, on every path.
+    """
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        close_source: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(self._relay(content), media_type="text/event-stream", headers=headers)
+        self._close_source = close_source
+        self._end_callbacks: list[Callable[[bool], None]] = []
+        self._completed = False
+
+    async def _relay(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in content:
+                yield chunk
+            self._completed = True
+        finally:
+            await content.aclose()
+
+    def on_end(self, callback: Callable[[bool], None]) -> None:
+        self._end_callbacks.append(callback)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close_source()  # a generation nobody will read is aborted
+            callbacks, self._end_callbacks = self._end_callbacks, []
+            _run_all(callbacks, self._completed)
+
+
 def on_response_end(response: Response, callback: Callable[[bool], None]) -> Response:
     """Call ``callback(completed)`` once the response has ended.
 
-    For a stream that is when its last byte is sent, or when the client went away mid-way
-    (``completed`` False); for any other response it is now. ``callback`` must not block; async
-    work it needs (a store round trip) it schedules itself.
+    For a stream that is when its last byte is sent, or when the client went away (``completed``
+    False); for any other response it is now. ``callback`` must not block; async work it needs
+    (a store round trip) it schedules itself.
     """
-    if isinstance(response, StreamingResponse):
+    if isinstance(response, EventStream):
+        response.on_end(callback)
+    elif isinstance(response, StreamingResponse):
         response.body_iterator = _observed(response.body_iterator, callback)
     else:
         callback(True)
@@ -69,7 +115,16 @@ async def _observed(body: AsyncIterator, callback: Callable[[bool], None]) -> As
             yield chunk
         completed = True
     finally:
-        callback(completed)
+        _run_all([callback], completed)
+
+
+def _run_all(callbacks: list[Callable[[bool], None]], completed: bool) -> None:
+    """Every stage's end-of-response work runs, even if one of them fails."""
+    for callback in callbacks:
+        try:
+            callback(completed)
+        except Exception:
+            logger.exception("end-of-response callback failed")
 
 
 def compose(stages: Sequence[Stage], endpoint: Handler) -> Handler:

@@ -7,10 +7,10 @@ parameters reach the backends without a gateway release.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app import errors, tokenizer
 
@@ -20,10 +20,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Annotated[str, Field(min_length=1)]
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_parts_have_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text content part needs a string 'text'")
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class _SamplingRequest(BaseModel):

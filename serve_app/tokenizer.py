@@ -43,7 +43,11 @@ def render_chat(messages: Iterable[dict]) -> str:
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = "".join(
+                p.get("text") or ""
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text"
+            )
         parts.append(f"{_SPECIAL[0]} {m.get('role', 'user')}\n{content or ''} {_SPECIAL[1]}\n")
     parts.append(f"{_SPECIAL[0]} assistant\n")
     return "".join(parts)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from starlette.requests import Request
+import contextlib
+
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from serve_app.pipeline import RequestContext, compose, on_response_end
@@ -65,3 +67,30 @@ async def test_a_stream_the_client_left_ends_incomplete_exactly_once():
     await anext(iterator)
     await iterator.aclose()  # what Starlette does when the client disconnects
     assert calls == [False]
+
+
+async def test_an_event_stream_the_client_left_before_its_body_still_cleans_up():
+    """Headers go out before the body is read; a client gone in between must not leak."""
+    from serve_app.pipeline import EventStream
+
+    started, closed, ended = [], [], []
+
+    async def body():
+        started.append(True)
+        yield b"data: 1\n\n"
+
+    async def close_source():
+        closed.append(True)
+
+    response = EventStream(body(), close_source=close_source, headers={})
+    on_response_end(response, ended.append)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        raise OSError("client went away")  # fails on the very first message: the headers
+
+    with contextlib.suppress(OSError, ClientDisconnect):
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    assert started == [] and closed == [True] and ended == [False]

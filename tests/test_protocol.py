@@ -50,7 +50,7 @@ def test_content_parts_accepted():
         "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
     }
     _, parsed = parse_request(orjson.dumps(body), ChatCompletionRequest)
-    assert parsed.messages[0].content == [{"type": "text", "text": "x"}]
+    assert parsed.messages[0].content[0].text == "x"
 
 
 def test_invalid_json():
@@ -168,3 +168,32 @@ def test_completion_prompt_list_must_hold_one_string(prompt):
 def test_completion_missing_prompt():
     err = rejected(orjson.dumps({"model": "m"}), CompletionRequest)
     assert (err.code, err.param) == ("missing_required_parameter", "prompt")
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [{"type": "text", "text": None}],
+        [{"type": "text"}],
+        [{"text": "no type"}],
+        ["just a string"],
+    ],
+)
+def test_malformed_content_parts_are_a_400_not_a_crash(parts):
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]})
+    with pytest.raises(ForgeError) as info:
+        parse_request(raw, ChatCompletionRequest)
+    assert info.value.status == 400
+    assert info.value.param.startswith("messages.0.content")
+
+
+def test_non_text_parts_are_kept_and_ignored_by_the_prompt():
+    from serve_app.protocol import prompt_text
+
+    parts = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "hi"}]
+    body, _ = parse_request(
+        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]}),
+        ChatCompletionRequest,
+    )
+    assert body["messages"][0]["content"] == parts
+    assert "hi" in prompt_text(body, "chat") and "image_url" not in prompt_text(body, "chat")

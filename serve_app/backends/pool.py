@@ -39,14 +39,14 @@ def _as_forge_error(exc: BaseException) -> errors.ForgeError:
     return errors.bad_gateway()
 
 
-async def _resolve(response):
-    return await response
-
-
 def _cancel(response) -> None:
     """The caller gave up: the replica aborts the generation and frees its slot."""
     with contextlib.suppress(Exception):
         response.cancel()
+
+
+async def _resolve(response):
+    return await response
 
 
 class PoolBackend:
@@ -55,27 +55,39 @@ class PoolBackend:
         name: str,
         handle: DeploymentHandle,
         first_token_timeout_s: float,
+        idle_timeout_s: float = 60.0,
         request_timeout_s: float = 600.0,
     ) -> None:
         self.name = name
         self._handle = handle
         self._stream = handle.options(stream=True)
         self._first_token_timeout_s = first_token_timeout_s
+        self._idle_timeout_s = idle_timeout_s
         self._request_timeout_s = request_timeout_s
 
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
         gen = self._stream.stream.remote(body, kind, request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._request_timeout_s
+        wait, what = self._first_token_timeout_s, "start answering"
         finished = False
         try:
-            try:
-                first = await asyncio.wait_for(gen.__anext__(), self._first_token_timeout_s)
-            except StopAsyncIteration:
-                finished = True
-                return
-            yield first
-            async for batch in gen:
+            while True:
+                # The time to the first item, then between items, never past the total deadline;
+                # only the wait is timed, never our consumer. (wait_for, not asyncio.timeout:
+                # around a handle's await the latter did not fire here; the hang test hung.)
+                try:
+                    timeout = min(wait, deadline - loop.time())
+                    batch = await asyncio.wait_for(gen.__anext__(), timeout)
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                except TimeoutError:
+                    raise errors.upstream_timeout(f"The model did not {what} in time.") from None
                 yield batch
-            finished = True
+                wait, what = self._idle_timeout_s, "keep answering"
+        except errors.ForgeError:
+            raise
         except (Exception, TaskCancelledError) as exc:
             raise _as_forge_error(exc) from exc
         finally:

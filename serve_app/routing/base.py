@@ -8,11 +8,12 @@ ranking, so the adapter's next choice is simply the next id in the list.
 
 Load, wherever a policy needs one number (``replica_load``), is ``in_flight + running + waiting``.
 ``running`` saturates at ``max_num_seqs``, so a replica that is melting shows it only in
-``waiting``; ``in_flight`` is this gateway's own count, fresh on every request, whereas the
-replica's numbers are as old as its last stats report. The sum counts this gateway's requests
-twice once a report catches up with them; that overestimate is the safe direction for a load
-bound (stale stats under a burst would otherwise undercount), and since every replica is scaled
-alike it barely moves a bound that is relative to the mean.
+``waiting``; ``in_flight`` is Serve's cached count of the replica's ongoing requests (its last
+probe, bumped by every request this router sends), fresher than the replica's own numbers,
+which are as old as its last stats report. The sum counts requests twice once a report catches
+up with them; that overestimate is the safe direction for a load bound (stale stats under a
+burst would otherwise undercount), and since every replica is scaled alike it barely moves a
+bound that is relative to the mean.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class ReplicaView:
     """One live replica as the router sees it for one request."""
 
     replica_id: str
-    in_flight: int  # requests this gateway has in flight on it (the router's own count)
+    in_flight: int  # ongoing requests on it, as Serve's router last counted them
     running: int = 0  # the replica's routing stats: num_requests_running
     waiting: int = 0  # num_requests_waiting
     kv_cache_usage: float = 0.0  # 0..1, kv_cache_usage_perc

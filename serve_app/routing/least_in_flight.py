@@ -12,7 +12,7 @@ TieBreak = Literal["random", "id"]
 
 
 class LeastInFlightPolicy(RoutingPolicy):
-    """Fewest ``in_flight`` first; it uses only the router's own count, never a stale report.
+    """Fewest ``in_flight`` first: Serve's router-side count, fresher than any replica report.
 
     Ties (the common case on an idle fleet, where every count is 0):
 

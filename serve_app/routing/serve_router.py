@@ -1,7 +1,7 @@
 """The Ray Serve ``RequestRouter`` that runs a Forge routing policy where Serve picks a replica.
 
 It runs inside each caller of the pool's handle (the gateway replicas): no extra actor hop per
-request. For every request it builds a ``ReplicaView`` of each candidate (the router's own count
+request. For every request it builds a ``ReplicaView`` of each candidate (Serve's cached count
 of requests in flight on it, plus the replica's last published routing stats) and a
 ``RouteRequest`` (the prompt's block-hash chain), asks the policy for a ranking and hands Serve
 one replica per rank, so Serve's own retry walks the policy's order.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve.metrics import Counter
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import tokenizer
 from serve_app.protocol import prompt_text
@@ -29,7 +29,14 @@ from serve_app.routing.base import (
 _PREFIX_CHARS = 16_384
 
 
-class ForgeRequestRouter(FIFOMixin, RequestRouter):
+# Policies that look at the prompt; the others never pay for tokenizing it.
+_PREFIX_POLICIES = frozenset({"prefix_affinity", "kv_aware"})
+
+
+class ForgeRequestRouter(RequestRouter):
+    """No ``FIFOMixin``: it hands the replica chosen for one request to the oldest pending one,
+    which would undo a per-prompt choice exactly when it matters, under load."""
+
     def initialize_state(
         self,
         policy: str = "round_robin",
@@ -39,7 +46,11 @@ class ForgeRequestRouter(FIFOMixin, RequestRouter):
     ) -> None:
         self.policy: RoutingPolicy = build_policy(policy, **options)
         self.policy_name = policy
+        self.needs_prefix = policy in _PREFIX_POLICIES
         self.block_size = block_size
+        # Serve calls choose_replicas again on every backoff: compute a request's route once.
+        self._routes: dict[str, RouteRequest] = {}
+        self._blocks: dict[int, frozenset[int]] = {}  # per stats snapshot, not per request
         pool = self._deployment_id.name
         self._routed = Counter(
             "forge_routed_total",
@@ -63,13 +74,26 @@ class ForgeRequestRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
         spilled_before = getattr(self.policy, "spillovers", 0)
-        ranked = self.policy.rank(views, self._route_request(pending_request))
+        ranked = self.policy.rank(views, self._route_for(pending_request))
         if getattr(self.policy, "spillovers", 0) > spilled_before:
             self._spillovers.inc()
         return [[by_id[replica_id]] for replica_id in ranked if replica_id in by_id]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._routed.inc(tags={"target": replica_id.unique_id})
+        if pending_request is not None:
+            self._routes.pop(pending_request.metadata.internal_request_id, None)
+
+    def _route_for(self, pending: PendingRequest | None) -> RouteRequest:
+        if not self.needs_prefix or pending is None:
+            return RouteRequest()
+        key = pending.metadata.internal_request_id
+        route = self._routes.get(key)
+        if route is None:
+            if len(self._routes) > 10_000:  # requests cancelled before routing: forget them
+                self._routes.clear()
+            route = self._routes[key] = self._route_request(pending)
+        return route
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         stats = replica.routing_stats or {}
@@ -82,8 +106,20 @@ class ForgeRequestRouter(FIFOMixin, RequestRouter):
             running=int(stats.get("num_requests_running", 0)),
             waiting=int(stats.get("num_requests_waiting", 0)),
             kv_cache_usage=float(stats.get("kv_cache_usage_perc", 0.0)),
-            cached_blocks=frozenset(stats.get("cached_blocks", ())),
+            cached_blocks=self._cached_blocks(stats),
         )
+
+    def _cached_blocks(self, stats: dict) -> frozenset[int]:
+        blocks = stats.get("cached_blocks")
+        if not blocks:
+            return frozenset()
+        key = id(blocks)  # a new snapshot is a new list
+        cached = self._blocks.get(key)
+        if cached is None:
+            if len(self._blocks) > 64:
+                self._blocks.clear()
+            cached = self._blocks[key] = frozenset(blocks)
+        return cached
 
     def _route_request(self, pending: PendingRequest | None) -> RouteRequest:
         """The prompt's block hashes, from the call ``stream/complete(body, kind, request_id)``."""

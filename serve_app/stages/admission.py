@@ -56,9 +56,11 @@ class AdmissionStage:
         tenant = ctx.tenant.name
         wait_limit = self.deadlines[ctx.parsed.model] + 5.0
         releases = self._releases[ctx.parsed.model]
+        released = releases.take()
         try:
+            # wait_for, not asyncio.timeout: around a handle's await the latter did not fire here.
             lease_id, ttl_s = await asyncio.wait_for(
-                scheduler.acquire.remote(tenant, self._tier(ctx), releases.take()), wait_limit
+                _resolve(scheduler.acquire.remote(tenant, self._tier(ctx), released)), wait_limit
             )
         except Shed as shed:
             self.metrics.shed.inc(tags={"tenant": tenant, "reason": shed.reason})
@@ -70,6 +72,7 @@ class AdmissionStage:
                 headers={"retry-after": str(retry)},
             ) from None
         except Exception as exc:  # scheduler unreachable or slow: admit, and say so
+            releases.restore(released)  # those slots are still to be given back
             self._fail_open(exc)
             return await call_next(ctx)
 
@@ -106,6 +109,10 @@ class AdmissionStage:
             logger.warning("scheduler unavailable (%r); admitting without a slot", exc)
 
 
+async def _resolve(response):
+    return await response
+
+
 async def _keep_alive(scheduler: DeploymentHandle, lease_id: str, ttl_s: float) -> None:
     """Renew a held lease at a third of its TTL for as long as the request runs."""
     with contextlib.suppress(asyncio.CancelledError):
@@ -131,6 +138,10 @@ class _ReleaseBatch:
     def take(self) -> list[str]:
         taken, self.pending = self.pending, []
         return taken
+
+    def restore(self, lease_ids: list[str]) -> None:
+        for lease_id in lease_ids:
+            self.add(lease_id)
 
     def _send(self) -> None:
         self._flush = None

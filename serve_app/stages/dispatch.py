@@ -13,11 +13,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import orjson
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from serve_app import errors, sse
 from serve_app.backends.base import Backend
-from serve_app.pipeline import RequestContext
+from serve_app.pipeline import EventStream, RequestContext
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,9 +73,9 @@ class Dispatch:
                 continue
             ctx.backend = backend.name
             head = _take(ctx, first)
-            return StreamingResponse(
+            return EventStream(
                 _relay(ctx, head, stream),
-                media_type="text/event-stream",
+                close_source=stream.aclose,
                 headers={**_STREAM_HEADERS, **_served_by(ctx)},
             )
         raise failure or errors.backend_unavailable()

@@ -58,7 +58,8 @@ class QuotaStage:
         quota.check_fits(reserved, prompt_tokens, max_tokens)
         buckets, amounts = quota.plan(reserved)
 
-        metered = True
+        reserved_in_store = False
+        lease: str | None = None
         headers: dict[str, str] = {}
         try:
             if buckets:
@@ -66,11 +67,13 @@ class QuotaStage:
                 if not taken.granted:
                     self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "rate_limit"})
                     raise quota.refused(buckets, amounts, taken)
+                reserved_in_store = True
                 headers = quota.headers(buckets, taken.remaining)
             lease = await self._acquire_lease(quota, ctx, buckets, amounts)
         except StoreError as exc:
+            # Served without a lease; a reservation already taken is still settled (refunded).
             self._fail_open("reserve", exc)
-            metered, lease = False, None
+        metered = reserved_in_store or lease is not None
 
         settled = False
         renewer = asyncio.create_task(self._keep_lease(quota, lease)) if lease is not None else None
@@ -133,10 +136,14 @@ class QuotaStage:
                 used = _tokens_used(ctx, prompt_tokens)
                 if used != reserved:
                     await self.store.adjust(quota.tokens, reserved - used)
-            if lease is not None:
-                await self.store.release_lease(quota.stream_key, lease)
         except StoreError as exc:
             self._fail_open("settle", exc)
+        finally:
+            if lease is not None:
+                try:
+                    await self.store.release_lease(quota.stream_key, lease)
+                except StoreError as exc:
+                    self._fail_open("release", exc)
 
     def _fail_open(self, op: str, exc: StoreError) -> None:
         self.metrics.store_errors.inc(tags={"op": op})
@@ -149,7 +156,12 @@ class QuotaStage:
 def _tokens_used(ctx: RequestContext, prompt_tokens: int) -> int:
     """The backend's own count; without one, the prompt estimate plus what was relayed."""
     if ctx.usage:
-        return int(ctx.usage.get("prompt_tokens", 0)) + int(ctx.usage.get("completion_tokens", 0))
+        try:
+            return int(ctx.usage.get("prompt_tokens") or 0) + int(
+                ctx.usage.get("completion_tokens") or 0
+            )
+        except (TypeError, ValueError):
+            pass  # an upstream's malformed usage: fall back to our own estimate
     if ctx.first_byte_at is None:
         return 0  # failed or refused before anything was generated: nothing to charge
     return prompt_tokens + ctx.frames_sent

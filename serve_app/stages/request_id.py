@@ -30,7 +30,9 @@ class RequestIdStage:
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         serve_id = _serve_request_id()
         if serve_id:
-            ctx.request_id = serve_id
+            # Serve echoes the client's id in the header as it came; what we log and pass to
+            # backends must be tame, so an unacceptable one is replaced inside Forge.
+            ctx.request_id = serve_id if _ACCEPTABLE.match(serve_id) else mint()
             return await call_next(ctx)
         given = ctx.request.headers.get(HEADER)
         ctx.request_id = given if given and _ACCEPTABLE.match(given) else mint()

@@ -20,7 +20,6 @@ The connection pool reconnects on the next call once Redis answers again.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -227,7 +226,7 @@ class RedisStore(Store):
     def _failures(self, operation: str) -> Iterator[None]:
         try:
             yield
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             raise StoreError(f"redis {operation} failed: {type(exc).__name__}: {exc}") from exc
 
     # -- buckets ----------------------------------------------------------------------------

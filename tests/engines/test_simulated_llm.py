@@ -46,7 +46,7 @@ async def collect(
     return [out async for out in engine.generate(request_id, ids, max_tokens, **kw)]
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float = 2.0) -> None:
+async def wait_until(condition: Callable[[], bool], timeout: float = 2.0) -> None:  # noqa: ASYNC109
     """Yield to the loop until condition holds; bounded so a bug fails instead of hanging."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -142,3 +142,19 @@ async def test_tier_comes_from_the_tenant_or_its_allowed_header(tenant, header, 
     headers = {"x-forge-priority": header} if header else {}
     await stage(scheduler)(ctx_for(tenant, headers), ok)
     assert scheduler.acquire.calls[0][1] == tier
+
+
+async def test_releases_riding_on_a_failed_acquire_are_not_lost(monkeypatch):
+    monkeypatch.setattr(stage_module, "RELEASE_FLUSH_S", 60)
+    calls = []
+
+    async def flaky(tenant, tier, released):
+        calls.append(list(released))
+        if len(calls) == 2:
+            raise ConnectionError("blip")
+        return f"lease-{len(calls)}", 30.0
+
+    admission = stage(FakeScheduler(flaky), Metrics())
+    for _ in range(3):
+        await admission(ctx_for("a"), ok)
+    assert calls == [[], ["lease-1"], ["lease-1"]], "the blip's releases rode on the next call"

@@ -1,0 +1,73 @@
+"""PoolBackend's deadlines with a fake Serve handle: first token, idle gap, total."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.backends.pool import PoolBackend
+from serve_app.errors import ForgeError
+
+
+class FakeStream:
+    """Stands in for a DeploymentResponseGenerator: yields after the given delays."""
+
+    def __init__(self, delays: list[float]) -> None:
+        self.delays = list(delays)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.delays:
+            raise StopAsyncIteration
+        await asyncio.sleep(self.delays.pop(0))
+        return [b"data: {}\n\n"]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    def __init__(self, stream: FakeStream) -> None:
+        self._fake = stream
+        self.stream = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        return self._fake
+
+
+def backend(stream: FakeStream, *, first=0.2, idle=0.2, total=5.0) -> PoolBackend:
+    return PoolBackend("p", FakeHandle(stream), first, idle, total)
+
+
+async def drain(pool: PoolBackend) -> int:
+    return len([b async for b in pool.stream({}, "chat", "r")])
+
+
+async def test_a_healthy_stream_passes_every_deadline():
+    assert await drain(backend(FakeStream([0.05, 0.05, 0.05]))) == 3
+
+
+@pytest.mark.parametrize(
+    ("delays", "message"),
+    [([0.5], "start answering"), ([0.01, 0.01, 0.5], "keep answering")],
+)
+async def test_a_silent_replica_is_a_504_and_its_generation_is_cancelled(delays, message):
+    stream = FakeStream(delays)
+    with pytest.raises(ForgeError) as info:
+        await drain(backend(stream))
+    assert info.value.status == 504 and message in info.value.message
+    assert stream.cancelled
+
+
+async def test_the_total_deadline_bounds_a_slow_but_steady_stream():
+    stream = FakeStream([0.1] * 20)  # never idle for 0.2 s, but 2 s in all
+    with pytest.raises(ForgeError) as info:
+        await drain(backend(stream, total=0.5))
+    assert info.value.status == 504 and stream.cancelled
