@@ -40,6 +40,9 @@ class RequestContext:
     usage: dict | None = None
     first_byte_at: float | None = None
     frames_sent: int = 0  # SSE frames relayed: the usage estimate when a stream is abandoned
+    # Set by admission: gives the pool's slot back early (dispatch calls it on failover, when the
+    # fallback, not the pool, is going to serve). Idempotent.
+    release_slot: Callable[[], None] | None = None
     stream_error: str | None = None  # set when a stream ended with an SSE error event
 
     @property

@@ -87,6 +87,7 @@ class AdmissionStage:
                 renewer.cancel()
                 releases.add(lease_id)
 
+        ctx.release_slot = release
         try:
             response = await call_next(ctx)
         except BaseException:

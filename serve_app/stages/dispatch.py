@@ -47,6 +47,7 @@ class Dispatch:
                     raise
                 failure = err
                 continue
+            _release_pool_slot_on_failover(ctx, backend, candidates)
             response = result["response"]
             ctx.backend, ctx.replica, ctx.usage = (
                 backend.name,
@@ -72,6 +73,7 @@ class Dispatch:
                 failure = err
                 continue
             ctx.backend = backend.name
+            _release_pool_slot_on_failover(ctx, backend, candidates)
             head = _take(ctx, first)
             return EventStream(
                 _relay(ctx, head, stream),
@@ -79,6 +81,15 @@ class Dispatch:
                 headers={**_STREAM_HEADERS, **_served_by(ctx)},
             )
         raise failure or errors.backend_unavailable()
+
+
+def _release_pool_slot_on_failover(
+    ctx: RequestContext, backend: Backend, candidates: Sequence[Backend]
+) -> None:
+    """The pool's admission slot guards the pool's GPUs: a request the fallback serves gives
+    it back now instead of holding it for the whole external generation."""
+    if backend is not candidates[0] and ctx.release_slot is not None:
+        ctx.release_slot()
 
 
 def _served_by(ctx: RequestContext) -> dict[str, str]:

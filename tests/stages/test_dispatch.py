@@ -249,3 +249,21 @@ async def test_non_streaming_all_failing_raises_the_last_error():
     with pytest.raises(ForgeError) as info:
         await Dispatch({MODEL: [primary, fallback]})(make_ctx(stream=False))
     assert info.value.status == 502
+
+
+async def test_failover_gives_the_pool_slot_back_before_the_fallback_serves():
+    released = []
+    primary = FakeBackend("primary", fail_before=errors.bad_gateway("down"))
+    fallback = FakeBackend("fallback", [[chunk("f")]])
+    ctx = make_ctx()
+    ctx.release_slot = lambda: released.append(True)
+    await Dispatch({MODEL: [primary, fallback]})(ctx)
+    assert released == [True]
+
+
+async def test_the_pool_keeps_its_slot_when_it_serves():
+    released = []
+    ctx = make_ctx()
+    ctx.release_slot = lambda: released.append(True)
+    await Dispatch({MODEL: [FakeBackend("primary", [[chunk("a")]])]})(ctx)
+    assert released == []
