@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from loadtest import plots
 from loadtest.http_load import RunResult, closed_loop
 from loadtest.inprocess import APP, start_forge, stop_forge
 
@@ -133,12 +134,7 @@ async def drill(url: str, duration: float) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, (top, bottom) = plots.subplots(2, 1, figsize=(9, 6), sharex=True)
     queues = result["timeline"]["queues"]
     for tenant in TENANTS:
         top.plot([q["t"] for q in queues], [q[tenant] for q in queues], label=tenant)
@@ -152,9 +148,7 @@ def plot(result: dict, path: Path) -> None:
     bottom.set_xlabel("seconds")
     top.legend()
     bottom.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path)
 
 
 def main() -> None:

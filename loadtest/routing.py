@@ -21,6 +21,7 @@ import random
 import time
 from pathlib import Path
 
+from loadtest import plots
 from loadtest.http_load import closed_loop
 from loadtest.inprocess import start_forge, stop_forge
 from serve_app import tokenizer
@@ -146,12 +147,7 @@ async def run_policy(policy: str, skewed: bool, duration: float) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plots.subplots(1, 2, figsize=(11, 4))
     for ax, workload in zip(axes, ("main", "skewed"), strict=True):
         sub = [r for r in rows if r["workload"] == workload]
         names = [r["policy"] for r in sub]
@@ -172,9 +168,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{workload} workload")
         ax.tick_params(axis="x", rotation=30)
         twin.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path)
 
 
 def main() -> None:
