@@ -26,7 +26,7 @@ class SchedulerDeployment:
         self.config = config
         self.scheduler = fair.FairScheduler(
             config.max_inflight,
-            default_tenant=fair.TenantConfig(queue_cap=config.queue_cap),
+            default_tenant=fair.TenantShare(queue_cap=config.queue_cap),
             tenants={t.name: _share(t, config) for t in map(TenantConfig.model_validate, tenants)},
             lease_ttl_s=config.lease_ttl_s,
             max_queued_total=config.max_queued_total,
@@ -95,6 +95,6 @@ class SchedulerDeployment:
         }
 
 
-def _share(tenant: TenantConfig, config: AdmissionConfig) -> fair.TenantConfig:
+def _share(tenant: TenantConfig, config: AdmissionConfig) -> fair.TenantShare:
     queue_cap = tenant.queue_cap if tenant.queue_cap is not None else config.queue_cap
-    return fair.TenantConfig(weight=tenant.weight, queue_cap=queue_cap, tier=tenant.tier)
+    return fair.TenantShare(weight=tenant.weight, queue_cap=queue_cap, tier=tenant.tier)

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Iterable, Mapping, Sequence
 
 from serve_app import errors
-from serve_app.config import TenantConfig
+from serve_app.config import TenantConfig, is_key_hash
 
 KEY_PREFIX = "sk-forge-"
 _NO_MATCH = "0" * 64
@@ -69,10 +69,7 @@ def load_key_hashes_file(path: str, tenant_names: Iterable[str]) -> dict[str, li
     for tenant, hashes in data.items():
         if tenant not in known:
             raise ValueError(f"{path}: tenant {tenant!r} is not in the config's tenants")
-        if not isinstance(hashes, list) or not all(
-            isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)
-            for h in hashes
-        ):
+        if not isinstance(hashes, list) or not all(is_key_hash(h) for h in hashes):
             raise ValueError(f"{path}: {tenant}: expected a list of SHA-256 hex digests")
         result[tenant] = hashes
     return result

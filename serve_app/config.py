@@ -13,6 +13,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_key_hash(value: object) -> bool:
+    """A lowercase SHA-256 hex digest, the only form an API key is ever stored in."""
+    return isinstance(value, str) and _SHA256.match(value) is not None
+
+
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
@@ -48,7 +55,7 @@ class TenantConfig(_Strict):
     @classmethod
     def _hex_digests(cls, hashes: list[str]) -> list[str]:
         for h in hashes:
-            if not _SHA256.match(h):
+            if not is_key_hash(h):
                 raise ValueError(
                     "each key hash must be a lowercase SHA-256 hex digest (64 chars); "
                     "run `forge keys new --tenant NAME` to make one"

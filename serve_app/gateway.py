@@ -78,7 +78,6 @@ class Gateway:
             {p.model: schedulers[p.name] for p in admitted},
             {p.model: p.admission.deadline_s for p in admitted},
             metrics,
-            self.config.tenants,
         )
 
         # The request path, in order. The response cache (a later stage) slots in between quota

@@ -70,9 +70,6 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
 
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-
 
 RequestModel = type[ChatCompletionRequest] | type[CompletionRequest]
 

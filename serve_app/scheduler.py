@@ -77,7 +77,7 @@ MIN_RETRY_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
-class TenantConfig:
+class TenantShare:
     """How a tenant shares the pool: its weight, how many of its requests may wait, its tier."""
 
     weight: float = 1.0
@@ -154,8 +154,8 @@ class FairScheduler:
         self,
         max_inflight: int,
         *,
-        default_tenant: TenantConfig | None = None,
-        tenants: Mapping[str, TenantConfig] | None = None,
+        default_tenant: TenantShare | None = None,
+        tenants: Mapping[str, TenantShare] | None = None,
         lease_ttl_s: float = 30.0,
         max_queued_total: int | None = None,
         batch_every: int = 5,
@@ -179,8 +179,8 @@ class FairScheduler:
         self.max_queued_total = max_queued_total
         self.batch_every = batch_every
         self._clock = clock
-        self._default = default_tenant or TenantConfig()
-        self._tenants: dict[str, TenantConfig] = dict(tenants or {})
+        self._default = default_tenant or TenantShare()
+        self._tenants: dict[str, TenantShare] = dict(tenants or {})
         self._seen: dict[str, None] = dict.fromkeys(self._tenants)  # ordered set, for snapshots
 
         # Only tenants with waiters have a deque (insertion order = order they began waiting).
@@ -204,14 +204,14 @@ class FairScheduler:
 
     def configure_tenant(
         self, name: str, weight: float = 1.0, queue_cap: int = 8, tier: Tier = "interactive"
-    ) -> TenantConfig:
+    ) -> TenantShare:
         """Register or update a tenant. Applies to the next pick and the next arrival."""
-        config = TenantConfig(weight=weight, queue_cap=queue_cap, tier=tier)
+        config = TenantShare(weight=weight, queue_cap=queue_cap, tier=tier)
         self._tenants[name] = config
         self._seen.setdefault(name, None)
         return config
 
-    def tenant_config(self, name: str) -> TenantConfig:
+    def tenant_config(self, name: str) -> TenantShare:
         return self._tenants.get(name, self._default)
 
     # -- admission -------------------------------------------------------------------------------

@@ -6,7 +6,12 @@ import orjson
 import pytest
 
 from serve_app.errors import ForgeError
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    prompt_text,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -152,10 +157,10 @@ def test_chat_output_limit_prefers_max_completion_tokens():
 
 
 def test_completion_prompt_string_and_list_of_one():
-    _, parsed = parse_request(orjson.dumps({"model": "m", "prompt": "abc"}), CompletionRequest)
-    assert parsed.prompt_text() == "abc"
-    raw, parsed = parse_request(orjson.dumps({"model": "m", "prompt": ["abc"]}), CompletionRequest)
-    assert parsed.prompt_text() == "abc"
+    raw, _ = parse_request(orjson.dumps({"model": "m", "prompt": "abc"}), CompletionRequest)
+    assert prompt_text(raw, "completion") == "abc"
+    raw, _ = parse_request(orjson.dumps({"model": "m", "prompt": ["abc"]}), CompletionRequest)
+    assert prompt_text(raw, "completion") == "abc"
     assert raw["prompt"] == ["abc"]
 
 

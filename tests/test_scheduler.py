@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from serve_app.scheduler import FairScheduler, Grant, Shed, TenantConfig
+from serve_app.scheduler import FairScheduler, Grant, Shed, TenantShare
 
 LONG = 60.0  # a deadline no test reaches: these tests assert order and counts, not wall-clock
 
@@ -302,7 +302,7 @@ async def test_overload_sheds_batch_first_and_interactive_preempts_the_newest_ba
 
 
 async def test_snapshot_reports_depths_inflight_slots_and_counters():
-    sched = FairScheduler(2, default_tenant=TenantConfig(weight=1, queue_cap=1))
+    sched = FairScheduler(2, default_tenant=TenantShare(weight=1, queue_cap=1))
     sched.configure_tenant("idle", weight=3, queue_cap=5)
     a = await sched.acquire("a", deadline_s=LONG)
     await sched.acquire("b", deadline_s=LONG)
@@ -330,7 +330,7 @@ async def test_snapshot_reports_depths_inflight_slots_and_counters():
 
 async def test_retry_after_is_positive_and_follows_hold_time_and_queue():
     clock = FakeClock()
-    sched = FairScheduler(2, default_tenant=TenantConfig(queue_cap=3), clock=clock)
+    sched = FairScheduler(2, default_tenant=TenantShare(queue_cap=3), clock=clock)
     first = await sched.acquire("t", deadline_s=LONG)
     await sched.acquire("t", deadline_s=LONG)
     with pytest.raises(Shed) as unknown:
@@ -363,7 +363,7 @@ def test_shed_survives_pickling_across_the_actor_boundary():
 )
 def test_tenant_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
-        TenantConfig(**kwargs)
+        TenantShare(**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -88,7 +88,7 @@ class PoolBackend:
                 wait, what = self._idle_timeout_s, "keep answering"
         except errors.ForgeError:
             raise
-        except (Exception, TaskCancelledError) as exc:
+        except Exception as exc:  # Ray's errors, TaskCancelledError included, are Exceptions
             raise _as_forge_error(exc) from exc
         finally:
             if not finished:

@@ -21,7 +21,6 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
 from serve_app import errors
-from serve_app.config import TenantConfig
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
 from serve_app.scheduler import Shed
@@ -40,12 +39,10 @@ class AdmissionStage:
         schedulers: Mapping[str, DeploymentHandle],
         deadlines: Mapping[str, float],
         metrics: ForgeMetrics,
-        tenants: list[TenantConfig],
     ) -> None:
         self.schedulers = schedulers  # model name → its pool's scheduler
         self.deadlines = deadlines
         self.metrics = metrics
-        self.tenants = {t.name: t for t in tenants}
         self._last_warning = 0.0
         self._releases = {model: _ReleaseBatch(handle) for model, handle in schedulers.items()}
 
@@ -96,7 +93,7 @@ class AdmissionStage:
         return on_response_end(response, release)
 
     def _tier(self, ctx: RequestContext) -> str:
-        tenant = self.tenants[ctx.tenant.name]
+        tenant = ctx.tenant
         asked = ctx.request.headers.get(PRIORITY_HEADER)
         if tenant.allow_priority_header and asked in ("interactive", "batch"):
             return asked

@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from loadtest import fairness
+
 APP = "forge"
 ALPHA_KEY = "sk-test-alpha"
 BETA_KEY = "sk-test-beta"
@@ -45,14 +47,8 @@ ROUTED_POLICIES = ("prefix_affinity", "kv_aware")
 # Tenants of the fair-admission pool: one floods, one is light.
 FAIR_TENANTS = ("flood", "light")
 
-# A GPU's feel: a step costs ~10 ms whatever the batch, prefill ~20 ms.
-REALISTIC = {
-    "prefill_base_s": 0.02,
-    "prefill_per_token_s": 0.0001,
-    "decode_base_s": 0.01,
-    "decode_per_seq_s": 0.0001,
-    "max_num_seqs": 8,
-}
+# A GPU's feel (the fairness drill's engine): ~10 ms a step whatever the batch, ~20 ms prefill.
+REALISTIC = fairness.ENGINE
 
 
 def forge_args(port: int, redis_url: str | None) -> dict:

@@ -6,19 +6,15 @@ import asyncio
 
 import pytest
 
+from loadtest import fairness
 from loadtest.http_load import closed_loop
 from serve_app import replica_admin
 from tests.e2e.conftest import APP, tenant_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-BODY = {
-    "model": "forge-fair",
-    "messages": [{"role": "user", "content": "a short answer please"}],
-    "max_tokens": 16,
-    "ignore_eos": True,
-    "stream": True,
-}
+# The drill's request (loadtest/fairness.py), sent to the test graph's fair-admission pool.
+BODY = {**fairness.BODY, "model": "forge-fair"}
 
 
 def _light(url: str, duration_s: float):

@@ -67,9 +67,7 @@ TENANTS = {
 
 
 def stage(scheduler: FakeScheduler, metrics: Metrics | None = None) -> AdmissionStage:
-    return AdmissionStage(
-        {MODEL: scheduler}, {MODEL: 5.0}, metrics or Metrics(), list(TENANTS.values())
-    )
+    return AdmissionStage({MODEL: scheduler}, {MODEL: 5.0}, metrics or Metrics())
 
 
 async def ok(ctx: RequestContext) -> Response:
