@@ -7,6 +7,7 @@ client. ``serve run configs/local.yaml`` and a KubeRay ``RayService`` both go th
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -17,6 +18,8 @@ from serve_app.admission import SchedulerDeployment
 from serve_app.config import PoolConfig, load_config
 from serve_app.gateway import GatewayIngress
 from serve_app.replica import Replica
+from serve_app.resilience.board import BreakerBoardDeployment
+from serve_app.resilience.settings import breaker_settings
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -39,11 +42,26 @@ def build_app(args: dict[str, Any]) -> Application:
         for pool in config.pools
         if pool.admission is not None
     }
+    board = (
+        serve.deployment(BreakerBoardDeployment)
+        .options(
+            name="breaker-board",
+            num_replicas=1,  # one owner of every breaker: one probe, fleet-wide
+            max_ongoing_requests=10_000,
+            ray_actor_options={"num_cpus": 0},
+        )
+        .bind(asdict(breaker_settings(config.resilience.breaker)))
+    )
     # The gateway mostly waits on backends: Serve's default of 5 ongoing requests per replica
-    # would queue streams at the proxy long before its CPU is busy.
-    gateway_options = {"max_ongoing_requests": 1024, **config.gateway.deployment}
+    # would queue streams at the proxy long before its CPU is busy. It relays streams, so it
+    # drains as long as the pools do.
+    gateway_options = {
+        "max_ongoing_requests": 1024,
+        "graceful_shutdown_timeout_s": max(p.request_timeout_s for p in config.pools),
+        **config.gateway.deployment,
+    }
     gateway = serve.deployment(GatewayIngress).options(name="gateway", **gateway_options)
-    return gateway.bind(config.model_dump(), pools, schedulers)
+    return gateway.bind(config.model_dump(), pools, schedulers, board)
 
 
 def _replica_options(pool: PoolConfig) -> dict[str, Any]:
@@ -53,10 +71,15 @@ def _replica_options(pool: PoolConfig) -> dict[str, Any]:
     engine's batch keeps its batch full and lets a short waiting queue form inside the engine
     (as with vLLM), while the rest waits in Serve's router, which can still choose a replica.
     """
-    options: dict[str, Any] = {"max_ongoing_requests": 2 * pool.engine.max_num_seqs}
     routing = pool.routing
-    if routing.policy != "power_of_two":
-        options["request_router_config"] = RequestRouterConfig(
+    options: dict[str, Any] = {
+        "max_ongoing_requests": 2 * pool.engine.max_num_seqs,
+        # Drain: a replica being replaced (rollout, scale-down) finishes its streams first.
+        "graceful_shutdown_timeout_s": pool.request_timeout_s,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        # Every pool runs Forge's router, Serve's own policy included: it is where breakers
+        # exclude replicas and where a cold pool's replica count comes from.
+        "request_router_config": RequestRouterConfig(
             request_router_class="serve_app.routing.serve_router:ForgeRequestRouter",
             request_router_kwargs={
                 "policy": routing.policy,
@@ -64,6 +87,7 @@ def _replica_options(pool: PoolConfig) -> dict[str, Any]:
                 **routing.options,
             },
             request_routing_stats_period_s=routing.stats_period_s,
-        )
+        ),
+    }
     options.update(pool.deployment)
     return options

@@ -10,7 +10,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -85,6 +93,66 @@ class SimulatedEngineConfig(_Strict):
         return self
 
 
+class VLLMEngineConfig(_Strict):
+    """The real vLLM, in the replica's process (see ``engines/vllm_engine.py``).
+
+    The served model name is the pool's ``model``. The fields here are the vLLM engine arguments
+    Forge itself depends on; anything else goes in ``engine_args`` under vLLM's own (Python)
+    argument names, e.g. ``{kv_cache_memory_bytes: 268435456, quantization: awq}``.
+    """
+
+    kind: Literal["vllm"]
+    # A local directory or a Hugging Face id (the image or a volume must already hold it).
+    model: Annotated[str, Field(min_length=1)]
+    # Sent to vLLM explicitly (never its default), because Forge uses both: the replica's
+    # Serve queue is sized from max_num_seqs, and the routers hash prompts in block_size blocks.
+    max_num_seqs: Annotated[int, Field(gt=0)] = 16
+    block_size: Annotated[int, Field(gt=0)] = 16
+    max_model_len: Annotated[int, Field(gt=0)] | None = None  # None: the model's own
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    enforce_eager: bool = False
+    # Prefix-affinity and KV-aware routing only pay off with vLLM's prefix cache on.
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    # vLLM's own vllm:* metrics go to Ray's metrics agent (and so to the cluster's Prometheus),
+    # as Ray Serve LLM does; off, they stay in the replica process's Prometheus registry.
+    export_metrics_to_ray: bool = True
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _no_shadowed_args(self) -> VLLMEngineConfig:
+        shadowed = sorted(set(self.engine_args) & (set(type(self).model_fields) | {"model"}))
+        if shadowed:
+            raise ValueError(f"engine_args {shadowed} have their own fields; set them there")
+        return self
+
+
+_ENGINE_CONFIGS: dict[str, type[_Strict]] = {
+    "simulated": SimulatedEngineConfig,
+    "vllm": VLLMEngineConfig,
+}
+
+
+def _engine_config(value: Any) -> SimulatedEngineConfig | VLLMEngineConfig:
+    """Pick the engine's config class by ``kind`` (absent: simulated).
+
+    A discriminated union by hand: pydantic's own puts the tag in every error's location
+    (``pools.0.engine.simulated.max_num_seqs``); this keeps ``pools.0.engine.max_num_seqs``.
+    """
+    if isinstance(value, SimulatedEngineConfig | VLLMEngineConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("engine must be a mapping with a kind: simulated or vllm")
+    kind = value.get("kind", "simulated")
+    config_class = _ENGINE_CONFIGS.get(kind) if isinstance(kind, str) else None
+    if config_class is None:
+        raise ValueError(f"engine.kind must be one of {sorted(_ENGINE_CONFIGS)}, not {kind!r}")
+    return config_class.model_validate(value)
+
+
+EngineConfig = Annotated[SimulatedEngineConfig | VLLMEngineConfig, BeforeValidator(_engine_config)]
+
+
 class AdmissionConfig(_Strict):
     """Fair admission in front of a pool: its slot budget and how requests wait for it."""
 
@@ -108,10 +176,39 @@ class RoutingConfig(_Strict):
         "least_queue",
         "prefix_affinity",
         "kv_aware",
-    ] = "power_of_two"  # Serve's own router
+    ] = "power_of_two"  # Serve's own default, run by Forge's router so breakers apply
     options: dict[str, Any] = Field(default_factory=dict)  # the policy's constructor arguments
     # How often replicas report their load and cache state to the routers.
     stats_period_s: Annotated[float, Field(gt=0)] = 1.0
+
+
+class BreakerConfig(_Strict):
+    """Circuit breakers (per replica, per pool, for the fallback): when a backend is known dead."""
+
+    failure_threshold: Annotated[int, Field(gt=0)] = 5  # consecutive failures open it
+    failure_ratio: Annotated[float, Field(gt=0, le=1)] = 0.5  # ... or this share over the window
+    window_s: Annotated[float, Field(gt=0)] = 10.0
+    min_requests: Annotated[int, Field(gt=0)] = 20  # outcomes needed before the ratio counts
+    cooldown_s: Annotated[float, Field(gt=0)] = 5.0  # open → half-open (one probe)
+    probe_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # an unanswered probe is released
+
+
+class RetryBudgetConfig(_Strict):
+    """Retries (another replica or the fallback, before byte one) stay under this share."""
+
+    ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    window_s: Annotated[float, Field(gt=0)] = 10.0
+    min_retries: Annotated[int, Field(ge=0)] = 3  # per window and gateway replica, for quiet times
+
+
+class ResilienceConfig(_Strict):
+    breaker: BreakerConfig = BreakerConfig()
+    retry_budget: RetryBudgetConfig = RetryBudgetConfig()
+    # How stale a gateway replica's copy of the shared breaker states may get (failures and
+    # probe results are pushed at once; this bounds how late *other* replicas hear of them).
+    sync_interval_s: Annotated[float, Field(gt=0)] = 0.5
+    # How often the fallback's health endpoint is probed while no traffic tells us.
+    fallback_probe_interval_s: Annotated[float, Field(gt=0)] = 10.0
 
 
 class PoolConfig(_Strict):
@@ -119,9 +216,11 @@ class PoolConfig(_Strict):
 
     name: Annotated[str, Field(pattern=_NAME)] = "primary"
     model: Annotated[str, Field(min_length=1)]
-    engine: SimulatedEngineConfig = SimulatedEngineConfig()
+    engine: EngineConfig = SimulatedEngineConfig()
     # Default for requests that omit max_tokens.
     default_max_tokens: Annotated[int, Field(gt=0)] = 256
+    # A replica must take the request by then (assignment; a pool at capacity or being replaced).
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     # A replica that has not started answering by then is failed over (never a hang).
     first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     # A stream that goes this long without a token has hung (a slow one has not).
@@ -145,9 +244,38 @@ class FallbackConfig(_Strict):
     model: Annotated[str, Field(min_length=1)]
     # Name of the environment variable holding the API key (a secret: never in config).
     api_key_env: str | None = None
+    # How Forge authenticates upstream: "api_key" (a bearer key from ``api_key_env``),
+    # "gcp_metadata" (a short-lived token from the GCE/GKE metadata server: workload identity,
+    # no secret to rotate) or "none". Unset: "api_key" when ``api_key_env`` is set, else "none".
+    auth: Literal["none", "api_key", "gcp_metadata"] = "none"
+    # Where "gcp_metadata" fetches its token; overridable so tests can run a fake server.
+    metadata_url: Annotated[str, Field(pattern=r"^https?://")] = (
+        "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+    )
+    # What the readiness probe GETs, relative to ``base_url``. None for an upstream with nothing
+    # to GET (Vertex AI's OpenAI endpoint): the probe then checks only the credentials.
+    health_path: str | None = "models"
+    # The four timeouts: connect, first token, idle between tokens (a read), total deadline.
     connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     read_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     max_connections: Annotated[int, Field(gt=0)] = 256
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_auth(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("auth") is None:
+            return {**data, "auth": "api_key" if data.get("api_key_env") else "none"}
+        return data
+
+    @model_validator(mode="after")
+    def _auth_mode(self) -> FallbackConfig:
+        if self.auth == "api_key" and not self.api_key_env:
+            raise ValueError("auth 'api_key' needs api_key_env (the variable holding the key)")
+        if self.auth != "api_key" and self.api_key_env:
+            raise ValueError(f"api_key_env is only used with auth 'api_key', not {self.auth!r}")
+        return self
 
 
 class StoreConfig(_Strict):
@@ -182,6 +310,7 @@ class ForgeConfig(_Strict):
     key_hashes_file: str | None = None
     pools: Annotated[list[PoolConfig], Field(min_length=1)]
     fallback: FallbackConfig | None = None
+    resilience: ResilienceConfig = ResilienceConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> ForgeConfig:

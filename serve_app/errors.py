@@ -119,6 +119,17 @@ def backend_unavailable(message: str = "No model backend is available.") -> Forg
     )
 
 
+def at_capacity(message: str, retry_after_s: float = 1.0) -> ForgeError:
+    """Busy, not broken: failed over like a failure, never counted against a breaker."""
+    return ForgeError(
+        503,
+        message,
+        type="api_error",
+        code="backend_at_capacity",
+        headers={"retry-after": str(max(1, round(retry_after_s)))},
+    )
+
+
 def upstream_timeout(message: str = "The model backend timed out.") -> ForgeError:
     return ForgeError(504, message, type="api_error", code="upstream_timeout")
 

@@ -26,12 +26,19 @@ from starlette.routing import Route
 
 from serve_app import errors
 from serve_app.auth import KeyRing, load_key_hashes_file
-from serve_app.backends.base import Backend
+from serve_app.backends.base import Backend, Timeouts
 from serve_app.backends.fallback import FallbackBackend
 from serve_app.backends.pool import PoolBackend
 from serve_app.config import ForgeConfig
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, compose
+from serve_app.resilience import client as breaker_client
+from serve_app.resilience.breaker import State
+from serve_app.resilience.client import BreakerClient
+from serve_app.resilience.health import HealthWatch
+from serve_app.resilience.retry_budget import RetryBudget
+from serve_app.resilience.settings import retry_budget_settings
+from serve_app.routing.ledger import ledger
 from serve_app.stages.admission import AdmissionStage
 from serve_app.stages.authenticate import AuthStage
 from serve_app.stages.dispatch import Dispatch
@@ -52,10 +59,26 @@ class Gateway:
         config: dict,
         pools: dict[str, DeploymentHandle],
         schedulers: dict[str, DeploymentHandle] | None = None,
+        board: DeploymentHandle | None = None,
     ) -> None:
         self.config = ForgeConfig.model_validate(config)
+        metrics = ForgeMetrics()
+        resilience = self.config.resilience
+        self.breakers = BreakerClient(
+            _board_call(board) if board is not None else None,
+            resilience.sync_interval_s,
+            on_board_error=lambda op: metrics.board_errors.inc(tags={"op": op}),
+        )
+        breaker_client.install(self.breakers)  # the pools' routers read it in this process
         self.backends = _backends(self.config, pools)
         fallback = self.backends.get("fallback")
+        self.fallback_health = (
+            HealthWatch(
+                "fallback", fallback.ready, resilience.fallback_probe_interval_s, self.breakers
+            )
+            if fallback is not None
+            else None
+        )
         routes: dict[str, list[Backend]] = {}
         for pool in self.config.pools:
             routes[pool.model] = [self.backends[pool.name]]
@@ -64,7 +87,6 @@ class Gateway:
         if fallback is not None:
             routes.setdefault(self.config.fallback.model, [fallback])
         self.models = list(routes)
-        metrics = ForgeMetrics()
         keyring = _keyring(self.config)
         store_config = self.config.store
         self.store = build_store(
@@ -91,7 +113,12 @@ class Gateway:
                 QuotaStage(self.store, metrics, self.config.tenants, default_max_tokens),
                 admission,
             ],
-            Dispatch(routes),
+            Dispatch(
+                routes,
+                self.breakers,
+                RetryBudget(retry_budget_settings(resilience.retry_budget)),
+                metrics,
+            ),
         )
         self.serve_listing: Handler = compose(
             [RequestIdStage(), TelemetryStage(metrics), AuthStage(keyring)], self._list_models
@@ -122,12 +149,21 @@ class Gateway:
         return Response(b'{"status":"ok"}', media_type=_JSON)
 
     async def readyz(self, request: Request) -> Response:
+        """Ready while some backend can serve: a pool with a replica up and its breaker not
+        open, or a healthy fallback whose breaker is not open."""
         names = list(self.backends)
-        results = await asyncio.gather(*(self.backends[n].ready() for n in names))
+        results = await asyncio.gather(*(self._backend_ready(n) for n in names))
         body = {"ready": any(results), "backends": dict(zip(names, results, strict=True))}
         return Response(
             orjson.dumps(body), status_code=200 if body["ready"] else 503, media_type=_JSON
         )
+
+    async def _backend_ready(self, name: str) -> bool:
+        if self.breakers.state(name) is State.OPEN:
+            return False
+        if name == "fallback" and self.fallback_health is not None:
+            return await self.fallback_health.current()
+        return await self.backends[name].ready()
 
     async def _list_models(self, ctx: RequestContext) -> Response:
         data = [
@@ -161,10 +197,25 @@ def _keyring(config: ForgeConfig) -> KeyRing:
 def _backends(config: ForgeConfig, pools: dict[str, DeploymentHandle]) -> dict[str, Backend]:
     backends: dict[str, Backend] = {
         p.name: PoolBackend(
-            p.name, pools[p.name], p.first_token_timeout_s, p.idle_timeout_s, p.request_timeout_s
+            p.name,
+            pools[p.name],
+            Timeouts(
+                p.connect_timeout_s,
+                p.first_token_timeout_s,
+                p.idle_timeout_s,
+                p.request_timeout_s,
+            ),
+            ledger(p.name),
         )
         for p in config.pools
     }
     if config.fallback is not None:
         backends["fallback"] = FallbackBackend(config.fallback)
     return backends
+
+
+def _board_call(board: DeploymentHandle):
+    async def call(method: str, *args):
+        return await getattr(board, method).remote(*args)
+
+    return call

@@ -6,7 +6,7 @@ exporter adds its ``ray_`` namespace in Prometheus). Tag values are strings, alw
 
 from __future__ import annotations
 
-from ray.serve.metrics import Counter, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = [
     0.001,
@@ -73,6 +73,30 @@ class ForgeMetrics:
         self.admission_errors = Counter(
             "forge_admission_errors_total",
             description="Scheduler calls that failed; the request was admitted (fail open).",
+        )
+
+        self.retries = Counter(
+            "forge_retries_total",
+            description="Second attempts before the first byte, by the backend retried on.",
+            tag_keys=("backend",),
+        )
+        self.retries_denied = Counter(
+            "forge_retries_denied_total",
+            description="Retries the retry budget refused (the client got the first failure).",
+        )
+        self.retry_budget = Gauge(
+            "forge_retry_budget_remaining",
+            description="Retries this gateway replica may still spend in the budget's window.",
+        )
+        self.backend_skipped = Counter(
+            "forge_backend_skipped_total",
+            description="Backends routed around without a try, by reason (breaker open, cold).",
+            tag_keys=("backend", "reason"),
+        )
+        self.board_errors = Counter(
+            "forge_breaker_board_errors_total",
+            description="Breaker board calls that failed; the last known states were used.",
+            tag_keys=("op",),
         )
 
     def record(

@@ -24,10 +24,15 @@ _END = object()
 
 
 def build_engine(pool: PoolConfig) -> Engine:
+    """The pool's engine. Each is imported only when chosen: vLLM is an optional install."""
     if pool.engine.kind == "simulated":
         from serve_app.engines.simulated import SimulatedEngine
 
         return SimulatedEngine(pool.model, pool.engine, pool.default_max_tokens)
+    if pool.engine.kind == "vllm":
+        from serve_app.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(pool.model, pool.engine, pool.default_max_tokens)
     raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
 
 
@@ -100,6 +105,22 @@ class Replica:
         response, _ = await self.engine.complete(body, kind, request_id)
         self.faults.after_frame(self.faults.spec.after_frames)
         return {"response": response, "replica": self.replica_id}
+
+    async def complete_streamed(self, body: dict, kind: Kind, request_id: str):
+        """``complete`` as a one-item stream, which is how the gateway calls it.
+
+        Serve learns that a replica accepted a call from the call's first response metadata;
+        on a unary call (throughput-optimized mode, gRPC) that arrives with the answer, so a
+        long non-streaming generation would look "not yet assigned" for its whole duration,
+        and a hung one could not be charged to its replica. A stream announces itself at once.
+        """
+        yield await self.complete(body, kind, request_id)
+
+    async def ready(self) -> str:
+        """The warm-up call a gateway sends to a pool scaled to zero: it waits at the handle,
+        so Serve's autoscaler starts a replica, and returns once the engine is loaded."""
+        await self._ensure_started()
+        return self.replica_id
 
     def stats(self) -> dict:
         return {"replica": self.replica_id, **self.engine.stats().as_dict()}

@@ -69,3 +69,23 @@ def direct_ingress_url(app: str) -> str | None:
             for target in group.get("targets", []):
                 return f"http://{target['ip']}:{target['port']}"
     return None
+
+
+def breaker_states(app: str) -> dict[str, tuple[int, float]]:
+    """Every breaker that is not closed: ``{backend: (state, seconds until a probe may try)}``."""
+    return _board(app, "sync", [])
+
+
+def describe_breakers(app: str) -> dict[str, dict]:
+    """Every breaker the board knows: state, retry_in_s, transitions, probes granted."""
+    return _board(app, "describe")
+
+
+def reset_breakers(app: str, backend: str | None = None) -> None:
+    """Close one breaker, or all; gateway replicas hear of it on their next sync."""
+    _board(app, "reset", backend)
+
+
+def _board(app: str, method: str, *args, timeout_s: float = 10.0):
+    (board,) = replica_ids(app, "breaker-board")
+    return ray.get(_call(app, "breaker-board", board, method, *args), timeout=timeout_s)

@@ -184,6 +184,30 @@ def test_fallback_base_url_must_be_http():
     assert "fallback.base_url" in config_error(args)
 
 
+def test_fallback_auth_defaults_from_api_key_env():
+    args = copy.deepcopy(minimal())
+    args["fallback"] = {"base_url": "https://x/v1/", "model": "g"}
+    assert load_config(args).fallback.auth == "none"
+    args["fallback"]["api_key_env"] = "KEY"
+    assert load_config(args).fallback.auth == "api_key"
+
+
+@pytest.mark.parametrize(
+    ("fallback", "expected"),
+    [
+        ({"auth": "api_key"}, "auth 'api_key' needs api_key_env"),
+        ({"auth": "gcp_metadata", "api_key_env": "KEY"}, "only used with auth 'api_key'"),
+        ({"auth": "oauth"}, "fallback.auth"),
+        ({"auth": "gcp_metadata", "metadata_url": "metadata.google.internal"}, "metadata_url"),
+    ],
+)
+def test_fallback_auth_mistakes_are_named(fallback, expected):
+    args = copy.deepcopy(minimal())
+    args["fallback"] = {"base_url": "https://x/v1/", "model": "g", **fallback}
+    message = config_error(args)
+    assert "fallback" in message and expected in message
+
+
 def test_config_is_frozen():
     config = load_config(minimal())
     with pytest.raises(ValueError):

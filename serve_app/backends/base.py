@@ -7,20 +7,66 @@ handles and external HTTP means dispatch, failover and metering have a single co
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from serve_app.engines.base import Kind
 
 
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """A backend's four timeouts. Each expiry is a 504 (or an SSE error event) and a failure.
+
+    ``connect_s``: a replica or socket must take the request; ``first_token_s``: then start
+    answering; ``idle_s``: then never go silent for longer; ``total_s``: and finish by then
+    (a client may ask for less). A healthy 3-minute generation trips none of them.
+    """
+
+    connect_s: float = 5.0
+    first_token_s: float = 30.0
+    idle_s: float = 60.0
+    total_s: float = 600.0
+
+
+async def paced(source: AsyncIterator, first_s: float, idle_s: float, deadline: float, who: str):
+    """``source``'s items, each waited for no longer than the first-token or idle timeout, and
+    never past ``deadline`` (loop time). Only the wait is timed, never our consumer. (wait_for,
+    not asyncio.timeout: around a Serve handle's await the latter did not fire here.)"""
+    from serve_app import errors  # errors imports nothing of ours; keep base import-light
+
+    loop = asyncio.get_running_loop()
+    wait, what = first_s, "start answering"
+    while True:
+        try:
+            item = await asyncio.wait_for(anext(source), max(min(wait, deadline - loop.time()), 0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if loop.time() >= deadline:
+                raise errors.upstream_timeout(f"{who} did not finish in time.") from None
+            raise errors.upstream_timeout(f"{who} did not {what} in time.") from None
+        yield item
+        wait, what = idle_s, "keep answering"
+
+
 class Backend(Protocol):
     name: str  # the ``backend`` label in metrics, logs and ``x-forge-backend``
 
-    def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
-        """Stream a request. Raise ``ForgeError`` before the first item for a clean failure."""
+    def stream(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> AsyncIterator[list]:
+        """Stream a request. Raise ``ForgeError`` before the first item for a clean failure.
+
+        ``budget_s``: what is left of the request's total deadline (the client's, or what an
+        earlier attempt left); the backend's own ``total_s`` applies when it is shorter.
+        """
         ...
 
-    async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
+    async def complete(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> dict:
         """Serve a non-streaming request: ``{"response": <OpenAI body>, "replica": id | None}``."""
         ...
 

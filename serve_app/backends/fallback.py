@@ -1,18 +1,21 @@
 """The external fallback: any OpenAI-compatible HTTP endpoint (Gemini in production).
 
 Frames are passed through as they arrive; only the framing is parsed, and the one frame that
-carries ``usage`` (which we always ask upstream for, to meter) is decoded.
+carries ``usage`` (which we always ask upstream for, to meter) is decoded. The Authorization
+header comes from ``credentials`` on every request, since a workload-identity token expires.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
 import orjson
 
 from serve_app import errors, sse
+from serve_app.backends.base import paced
+from serve_app.backends.credentials import Credentials, credentials_for
 from serve_app.config import FallbackConfig
 from serve_app.engines.base import Kind
 
@@ -22,15 +25,18 @@ _PATHS = {"chat": "chat/completions", "completion": "completions"}
 class FallbackBackend:
     name = "fallback"
 
-    def __init__(self, config: FallbackConfig, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        config: FallbackConfig,
+        transport: httpx.AsyncBaseTransport | None = None,
+        credentials: Credentials | None = None,
+    ):
         self.config = config
-        headers = {"content-type": "application/json"}
-        api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
-        if api_key:
-            headers["authorization"] = f"Bearer {api_key}"
+        # Built here, at start: a missing API key secret stops the deployment.
+        self._credentials = credentials if credentials is not None else credentials_for(config)
         self._client = httpx.AsyncClient(
             base_url=config.base_url.rstrip("/") + "/",
-            headers=headers,
+            headers={"content-type": "application/json"},
             timeout=httpx.Timeout(
                 connect=config.connect_timeout_s,
                 read=config.read_timeout_s,
@@ -53,19 +59,27 @@ class FallbackBackend:
             }
         return orjson.dumps(upstream)
 
-    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
+    async def stream(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> AsyncIterator[list]:
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         request = self._client.build_request(
             "POST",
             _PATHS[kind],
             content=self._upstream_body(body, stream=True),
-            headers={"x-request-id": request_id},
+            headers={"x-request-id": request_id, **await self._credentials.headers()},
         )
-        response = await self._send(request, stream=True)
+        deadline = self._deadline(budget_s)
+        response = await self._send(request, stream=True, deadline=deadline)
         try:
             if response.status_code >= 400:
                 raise _upstream_error(response.status_code, await response.aread())
-            async for events in sse.split_frames(response.aiter_raw()):
+            frames = sse.split_frames(response.aiter_raw())
+            c = self.config
+            paced_frames = paced(
+                frames, c.first_token_timeout_s, c.read_timeout_s, deadline, "The fallback model"
+            )
+            async for events in paced_frames:
                 batch: list = []
                 for event in events:
                     if sse.frame_data(event) == b"[DONE]":
@@ -86,14 +100,16 @@ class FallbackBackend:
         finally:
             await response.aclose()
 
-    async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
+    async def complete(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> dict:
         request = self._client.build_request(
             "POST",
             _PATHS[kind],
             content=self._upstream_body(body, stream=False),
-            headers={"x-request-id": request_id},
+            headers={"x-request-id": request_id, **await self._credentials.headers()},
         )
-        response = await self._send(request, stream=False)
+        response = await self._send(request, stream=False, deadline=self._deadline(budget_s))
         if response.status_code >= 400:
             raise _upstream_error(response.status_code, response.content)
         try:
@@ -101,9 +117,20 @@ class FallbackBackend:
         except orjson.JSONDecodeError:
             raise errors.bad_gateway("The fallback model answered with invalid JSON.") from None
 
-    async def _send(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
+    def _deadline(self, budget_s: float | None) -> float:
+        total = self.config.request_timeout_s
+        return asyncio.get_running_loop().time() + min(total, budget_s or total)
+
+    async def _send(
+        self, request: httpx.Request, *, stream: bool, deadline: float
+    ) -> httpx.Response:
+        """Send; a non-streaming answer must be complete, and a stream's headers in, by the
+        deadline (httpx's own timeouts bound each connect and read within it)."""
+        timeout = max(deadline - asyncio.get_running_loop().time(), 0)
         try:
-            return await self._client.send(request, stream=stream)
+            return await asyncio.wait_for(self._client.send(request, stream=stream), timeout)
+        except TimeoutError:
+            raise errors.upstream_timeout("The fallback model did not answer in time.") from None
         except httpx.TimeoutException as exc:
             raise errors.upstream_timeout("The fallback model timed out.") from exc
         except httpx.HTTPError as exc:
@@ -112,14 +139,21 @@ class FallbackBackend:
             ) from exc
 
     async def ready(self) -> bool:
+        """Credentials available and, when there is a ``health_path``, upstream answering it.
+        Failed checks count against the fallback's breaker, so an upstream with nothing to GET
+        is checked by its credentials alone rather than failing a probe it cannot pass."""
         try:
-            response = await self._client.get("models", timeout=2.0)
-        except httpx.HTTPError:
+            headers = await self._credentials.headers()
+            if self.config.health_path is None:
+                return True
+            response = await self._client.get(self.config.health_path, headers=headers, timeout=2.0)
+        except (httpx.HTTPError, errors.ForgeError):
             return False
         return response.status_code == 200
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        await self._credentials.aclose()
 
 
 def _may_carry_usage(event: bytes) -> bool:
@@ -139,10 +173,10 @@ def _upstream_error(status: int, content: bytes) -> errors.ForgeError:
     4xx about *us* (our credentials, our quota with the provider), are a failing backend."""
     if status in (401, 403):
         return errors.bad_gateway(
-            f"The fallback model refused Forge's credentials (HTTP {status}); check its API key."
+            f"The fallback model refused Forge's credentials (HTTP {status})."
         )
     if status == 429:
-        return errors.backend_unavailable("The fallback model is rate limiting Forge.")
+        return errors.at_capacity("The fallback model is rate limiting Forge.")
     if status >= 500:
         return errors.bad_gateway(f"The fallback model failed with HTTP {status}.")
     message, type_, code = f"The fallback model rejected the request (HTTP {status}).", None, None

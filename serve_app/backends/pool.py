@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -11,7 +12,11 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app import errors
+from serve_app.backends.base import Timeouts, paced
 from serve_app.engines.base import EngineError, Kind
+from serve_app.routing.ledger import PoolLedger
+
+logger = logging.getLogger("ray.serve")
 
 # Serve handles raise the replica's exception as a subclass of the original type, so a
 # ForgeError raised in a replica (a 400 for an over-long prompt) reaches the client intact.
@@ -29,7 +34,7 @@ def _as_forge_error(exc: BaseException) -> errors.ForgeError:
             headers=exc.headers,
         )
     if isinstance(exc, BackPressureError):
-        return errors.backend_unavailable("The model pool is at capacity; retry shortly.")
+        return errors.at_capacity("The model pool is at capacity; retry shortly.")
     if isinstance(exc, _UNAVAILABLE):
         return errors.bad_gateway("The model replica went away.")
     if isinstance(exc, TimeoutError):
@@ -45,8 +50,15 @@ def _cancel(response) -> None:
         response.cancel()
 
 
-async def _resolve(response):
-    return await response
+async def _assigned(response) -> None:
+    """Resolves once Serve has handed the request to a replica: the end of "connect".
+
+    Serve's response exposes assignment only through a private coroutine; without it (another
+    Ray version) the connect phase simply merges into the first-token wait.
+    """
+    fetch = getattr(response, "_fetch_future_result_async", None)
+    if fetch is not None:
+        await fetch()
 
 
 class PoolBackend:
@@ -54,38 +66,50 @@ class PoolBackend:
         self,
         name: str,
         handle: DeploymentHandle,
-        first_token_timeout_s: float,
-        idle_timeout_s: float = 60.0,
-        request_timeout_s: float = 600.0,
+        timeouts: Timeouts,
+        ledger: PoolLedger | None = None,
     ) -> None:
         self.name = name
+        self.timeouts = timeouts
+        self.ledger = ledger or PoolLedger()
         self._handle = handle
-        self._stream = handle.options(stream=True)
-        self._first_token_timeout_s = first_token_timeout_s
-        self._idle_timeout_s = idle_timeout_s
-        self._request_timeout_s = request_timeout_s
+        self._stream = handle.options(stream=True)  # also starts the router's replica updates
+        self._waking: asyncio.Task | None = None
 
-    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
+    def replica_count(self) -> int | None:
+        """Replicas Serve can route to now; None until the router has heard from Serve."""
+        ids = self.ledger.replica_ids
+        return None if ids is None else len(ids)
+
+    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        """The replica a request went to and whether it was that replica's probe (once)."""
+        return self.ledger.take_routed(request_id)
+
+    def wake(self) -> None:
+        """Wake a pool scaled to zero: one call that waits at the handle makes Serve's
+        autoscaler start a replica, while clients are served elsewhere."""
+        if self._waking is None or self._waking.done():
+            self._waking = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        try:
+            replica = await self._handle.ready.remote()
+            logger.info("pool %s is warm (replica %s)", self.name, replica)
+        except Exception as exc:
+            logger.warning("waking pool %s failed: %s", self.name, type(exc).__name__)
+
+    async def stream(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> AsyncIterator[list]:
         gen = self._stream.stream.remote(body, kind, request_id)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._request_timeout_s
-        wait, what = self._first_token_timeout_s, "start answering"
+        t = self.timeouts
+        deadline = asyncio.get_running_loop().time() + min(t.total_s, budget_s or t.total_s)
         finished = False
         try:
-            while True:
-                # The time to the first item, then between items, never past the total deadline;
-                # only the wait is timed, never our consumer. (wait_for, not asyncio.timeout:
-                # around a handle's await the latter did not fire here; the hang test hung.)
-                try:
-                    timeout = min(wait, deadline - loop.time())
-                    batch = await asyncio.wait_for(gen.__anext__(), timeout)
-                except StopAsyncIteration:
-                    finished = True
-                    return
-                except TimeoutError:
-                    raise errors.upstream_timeout(f"The model did not {what} in time.") from None
+            await self._connect(gen, deadline)
+            async for batch in paced(gen, t.first_token_s, t.idle_s, deadline, "The model"):
                 yield batch
-                wait, what = self._idle_timeout_s, "keep answering"
+            finished = True
         except errors.ForgeError:
             raise
         except Exception as exc:  # Ray's errors, TaskCancelledError included, are Exceptions
@@ -94,13 +118,18 @@ class PoolBackend:
             if not finished:
                 # Stopped early (client gone, failure, deadline): the replica aborts and frees
                 # its slot. cancel() re-raises a failed assignment's error; it is handled above.
-                with contextlib.suppress(Exception):
-                    gen.cancel()
+                _cancel(gen)
 
-    async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
-        response = self._handle.complete.remote(body, kind, request_id)
+    async def complete(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> dict:
+        # Streamed, even for one answer: see ``Replica.complete_streamed``.
+        response = self._stream.complete_streamed.remote(body, kind, request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.timeouts.total_s, budget_s or self.timeouts.total_s)
         try:
-            return await asyncio.wait_for(_resolve(response), self._request_timeout_s)
+            await self._connect(response, deadline)
+            return await asyncio.wait_for(anext(response), max(deadline - loop.time(), 0))
         except asyncio.CancelledError:
             _cancel(response)
             raise
@@ -108,11 +137,16 @@ class PoolBackend:
             _cancel(response)
             raise errors.upstream_timeout("The model did not finish answering in time.") from None
         except Exception as exc:
+            _cancel(response)
             raise _as_forge_error(exc) from exc
 
-    async def ready(self) -> bool:
+    async def _connect(self, response, deadline: float) -> None:
+        timeout = min(self.timeouts.connect_s, deadline - asyncio.get_running_loop().time())
         try:
-            await asyncio.wait_for(self._handle.stats.remote(), 2.0)
-        except Exception:
-            return False
-        return True
+            await asyncio.wait_for(_assigned(response), max(timeout, 0))
+        except TimeoutError:
+            raise errors.upstream_timeout("No model replica took the request in time.") from None
+
+    async def ready(self) -> bool:
+        """Whether a replica is up now. Never sends a request: that would wake a cold pool."""
+        return bool(self.replica_count())

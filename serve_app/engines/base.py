@@ -47,6 +47,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens queried, as vllm:prefix_cache_queries_total
     prefix_cache_hits: int  # tokens hit, as vllm:prefix_cache_hits_total
     max_num_seqs: int
+    generation_tokens: int = 0  # cumulative, as vllm:generation_tokens_total
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -139,6 +139,7 @@ class SimulatedEngine(Engine):
             prefix_cache_queries=llm.prefix_cache_queries,
             prefix_cache_hits=llm.prefix_cache_hits,
             max_num_seqs=self.config.max_num_seqs,
+            generation_tokens=llm.generation_tokens,
         )
 
     def cached_block_hashes(self) -> list[int]:

@@ -272,6 +272,7 @@ class SimulatedLLM:
         self._failure: BaseException | None = None
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        self._generation_tokens = 0
         self._steps = 0  # for tests: proves the loop idles instead of spinning
 
     @property
@@ -306,6 +307,12 @@ class SimulatedLLM:
     def prefix_cache_hits(self) -> int:
         """Prompt tokens found in the prefix cache, cumulative."""
         return self._prefix_cache_hits
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens generated, cumulative (vllm:generation_tokens_total): an aborted request
+        stops adding to it at once."""
+        return self._generation_tokens
 
     def cached_block_hashes(self) -> list[int]:
         """Hashes of the prompt blocks in the prefix cache (in use or evictable): what a
@@ -495,6 +502,7 @@ class SimulatedLLM:
         """End of step: one token for every running request."""
         block_size = self._config.block_size
         num_words = len(OUTPUT_WORDS)
+        self._generation_tokens += len(self._running)
         for request in list(self._running.values()):
             index = request.num_generated
             word = _mix64(request.seed + index + 1) % num_words

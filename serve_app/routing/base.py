@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 POLICY_NAMES: tuple[str, ...] = (
+    "power_of_two",
     "round_robin",
     "least_in_flight",
     "least_queue",
@@ -148,12 +149,14 @@ def build_policy(name: str, **kwargs: Any) -> RoutingPolicy:
     from serve_app.routing.kv_aware import KvAwarePolicy
     from serve_app.routing.least_in_flight import LeastInFlightPolicy
     from serve_app.routing.least_queue import LeastQueuePolicy
+    from serve_app.routing.power_of_two import PowerOfTwoPolicy
     from serve_app.routing.prefix_affinity import PrefixAffinityPolicy
     from serve_app.routing.round_robin import RoundRobinPolicy
 
     classes: dict[str, type[RoutingPolicy]] = {
         cls.name: cls
         for cls in (
+            PowerOfTwoPolicy,
             RoundRobinPolicy,
             LeastInFlightPolicy,
             LeastQueuePolicy,

@@ -16,6 +16,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from serve_app import tokenizer
 from serve_app.protocol import prompt_text
+from serve_app.resilience import client as breaker_client
+from serve_app.resilience.breaker import Admit, State
 from serve_app.routing.base import (
     ReplicaView,
     RouteRequest,
@@ -23,6 +25,7 @@ from serve_app.routing.base import (
     build_policy,
     prefix_block_hashes,
 )
+from serve_app.routing.ledger import ledger, replica_backend
 
 # Enough text for the first blocks a policy looks at; tokenizing a 100 kB prompt per request
 # to hash 4 blocks of it would cost more than the routing decision.
@@ -52,6 +55,10 @@ class ForgeRequestRouter(RequestRouter):
         self._routes: dict[str, RouteRequest] = {}
         self._blocks: dict[int, frozenset[int]] = {}  # per stats snapshot, not per request
         pool = self._deployment_id.name
+        # The pool as the gateway names it (deployment "pool-primary" → "primary").
+        self.pool = pool.removeprefix("pool-")
+        self.ledger = ledger(self.pool)
+        self._probes: dict[str, str] = {}  # request id → the open replica it is the probe of
         self._routed = Counter(
             "forge_routed_total",
             description="Requests routed to each replica of a pool, by policy.",
@@ -66,23 +73,82 @@ class ForgeRequestRouter(RequestRouter):
             counter.set_default_tags({"pool": pool, "policy": policy})
         self.route_blocks = route_blocks
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.ledger.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.ledger.replica_ids = frozenset(r.unique_id for r in self.curr_replicas)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        views = [self._view(r) for r in candidate_replicas]
+        request_id = _request_id(pending_request)
+        excluded = self._excluded(list(by_id), request_id)
+        probe = await self._probe_for(request_id, excluded)
+        if probe is not None:
+            return [[by_id[probe]]] if probe in by_id else []
+        views = [self._view(r, r.replica_id.unique_id in excluded) for r in candidate_replicas]
         spilled_before = getattr(self.policy, "spillovers", 0)
         ranked = self.policy.rank(views, self._route_for(pending_request))
         if getattr(self.policy, "spillovers", 0) > spilled_before:
             self._spillovers.inc()
         return [[by_id[replica_id]] for replica_id in ranked if replica_id in by_id]
 
+    def _excluded(self, replica_ids: list[str], request_id: str | None) -> set[str]:
+        """Replicas not to choose: breaker not closed, or the one this request's first try
+        failed on. Never all of them: when every replica's breaker is open, the pool's own
+        breaker is what keeps traffic away, and a request it let through must land somewhere."""
+        breakers = breaker_client.current()
+        avoid = self.ledger.avoid.get(request_id) if request_id else None
+        excluded = {
+            rid
+            for rid in replica_ids
+            if rid == avoid
+            or (
+                breakers is not None
+                and breakers.state(replica_backend(self.pool, rid)) is not State.CLOSED
+            )
+        }
+        return excluded if len(excluded) < len(replica_ids) else set()
+
+    async def _probe_for(self, request_id: str | None, excluded: set[str]) -> str | None:
+        """A replica whose cool-down is over gets one request, its probe, granted fleet-wide."""
+        breakers = breaker_client.current()
+        if breakers is None or request_id is None:
+            return None
+        known = self._probes.get(request_id)
+        if known is not None:
+            return known  # Serve is retrying this request's choice: keep the probe
+        for rid in sorted(excluded):
+            backend = replica_backend(self.pool, rid)
+            if rid == self.ledger.avoid.get(request_id) or not breakers.probe_ready(backend):
+                continue
+            if await breakers.admit(backend) is Admit.PROBE:
+                if len(self._probes) > 1_000:
+                    self._probes.clear()
+                self._probes[request_id] = rid
+                return rid
+        return None
+
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        self._routed.inc(tags={"target": replica_id.unique_id})
-        if pending_request is not None:
-            self._routes.pop(pending_request.metadata.internal_request_id, None)
+        rid = replica_id.unique_id
+        self._routed.inc(tags={"target": rid})
+        if pending_request is None:
+            return
+        self._routes.pop(pending_request.metadata.internal_request_id, None)
+        request_id = _request_id(pending_request)
+        if request_id is not None:
+            breakers = breaker_client.current()
+            probe = self._probes.pop(request_id, None) == rid or (
+                breakers is not None
+                and breakers.state(replica_backend(self.pool, rid)) is not State.CLOSED
+            )
+            self.ledger.note_routed(request_id, rid, probe)
 
     def _route_for(self, pending: PendingRequest | None) -> RouteRequest:
         if not self.needs_prefix or pending is None:
@@ -95,7 +161,7 @@ class ForgeRequestRouter(RequestRouter):
             route = self._routes[key] = self._route_request(pending)
         return route
 
-    def _view(self, replica: RunningReplica) -> ReplicaView:
+    def _view(self, replica: RunningReplica, excluded: bool = False) -> ReplicaView:
         stats = replica.routing_stats or {}
         # Serve's cached count of the replica's ongoing requests (its last report, bumped on
         # every request this router sends): fresh enough to balance on, cheap to read.
@@ -107,6 +173,7 @@ class ForgeRequestRouter(RequestRouter):
             waiting=int(stats.get("num_requests_waiting", 0)),
             kv_cache_usage=float(stats.get("kv_cache_usage_perc", 0.0)),
             cached_blocks=self._cached_blocks(stats),
+            excluded=excluded,
         )
 
     def _cached_blocks(self, stats: dict) -> frozenset[int]:
@@ -132,3 +199,10 @@ class ForgeRequestRouter(RequestRouter):
             return RouteRequest()
         ids = tokenizer.encode(text)[: self.block_size * self.route_blocks]
         return RouteRequest(prefix_block_hashes(ids, self.block_size))
+
+
+def _request_id(pending: PendingRequest | None) -> str | None:
+    """Forge's request id, the third argument of ``stream``/``complete`` (not of ``ready``)."""
+    if pending is None or len(pending.args) < 3 or not isinstance(pending.args[2], str):
+        return None
+    return pending.args[2]

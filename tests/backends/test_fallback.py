@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
+import yaml
 
 from serve_app import sse
 from serve_app.backends.fallback import FallbackBackend
@@ -145,11 +147,89 @@ async def test_completion_kind_posts_to_completions(make_backend):
     assert upstream.requests[0].url.path == "/v1/completions"
 
 
-async def test_no_api_key_env_sends_no_authorization(make_backend, monkeypatch):
-    monkeypatch.delenv(KEY_ENV)
-    backend, upstream = make_backend(sse_response(UPSTREAM))
+async def test_no_auth_sends_no_authorization(make_backend):
+    keyless = FallbackConfig(base_url="http://upstream.test/v1/", model="gemini-x")
+    assert keyless.auth == "none"
+    backend, upstream = make_backend(sse_response(UPSTREAM), keyless)
     await batches_of(backend, {**CHAT, "stream": True})
     assert "authorization" not in upstream.requests[0].headers
+
+
+def test_a_missing_api_key_secret_stops_the_backend_at_start(monkeypatch):
+    """Not a keyless request per call: the deployment fails to start, naming the variable."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=KEY_ENV) as info:
+        FallbackBackend(CONFIG)
+    assert "fallback.api_key_env" in str(info.value)
+
+
+class CountingCredentials:
+    """A credential that changes every call: proves the header is asked for per request."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def headers(self) -> dict[str, str]:
+        self.calls += 1
+        return {"authorization": f"Bearer token-{self.calls}"}
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_authorization_is_fetched_per_request_for_stream_complete_and_ready():
+    answer = {"id": "x", "object": "chat.completion", "choices": [], "usage": USAGE}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if b'"stream":true' in request.content:
+            return sse_response(UPSTREAM)(request)
+        return httpx.Response(200, json=answer)
+
+    upstream, credentials = Upstream(handler), CountingCredentials()
+    keyless = FallbackConfig(base_url="http://upstream.test/v1/", model="gemini-x")
+    backend = FallbackBackend(
+        keyless, transport=httpx.MockTransport(upstream), credentials=credentials
+    )
+    try:
+        await batches_of(backend, {**CHAT, "stream": True})
+        await backend.complete(CHAT, "chat", "r")
+        assert await backend.ready() is True
+    finally:
+        await backend.aclose()
+    sent = [r.headers["authorization"] for r in upstream.requests]
+    assert sent == ["Bearer token-1", "Bearer token-2", "Bearer token-3"]
+    assert upstream.requests[2].method == "GET"
+
+
+async def test_credentials_failure_is_a_502_before_anything_is_sent():
+    class Unavailable:
+        async def headers(self) -> dict[str, str]:
+            raise ForgeError(502, "Fallback credentials unavailable.", type="api_error")
+
+        async def aclose(self) -> None:
+            pass
+
+    upstream = Upstream(sse_response(UPSTREAM))
+    keyless = FallbackConfig(base_url="http://upstream.test/v1/", model="gemini-x")
+    backend = FallbackBackend(
+        keyless, transport=httpx.MockTransport(upstream), credentials=Unavailable()
+    )
+    try:
+        for call in (
+            batches_of(backend, {**CHAT, "stream": True}),
+            backend.complete(CHAT, "chat", "r"),
+        ):
+            with pytest.raises(ForgeError) as info:
+                await call
+            assert info.value.status == 502
+        assert await backend.ready() is False
+        no_probe = FallbackConfig(base_url="http://upstream.test/v1/", model="m", health_path=None)
+        keyless = FallbackBackend(no_probe, credentials=Unavailable())
+        assert await keyless.ready() is False
+        await keyless.aclose()
+    finally:
+        await backend.aclose()
+    assert upstream.requests == []
 
 
 async def test_upstream_500_is_502(make_backend):
@@ -257,10 +337,26 @@ async def test_ready_reflects_models_endpoint(make_backend):
     ok, upstream = make_backend(lambda r: httpx.Response(200, json={"data": []}))
     assert await ok.ready() is True
     assert upstream.requests[0].url.path == "/v1/models"
+    assert upstream.requests[0].headers["authorization"] == "Bearer sk-upstream-secret"
     down, _ = make_backend(lambda r: httpx.Response(503))
     assert await down.ready() is False
     gone, _ = make_backend(raising(httpx.ConnectError))
     assert await gone.ready() is False
+
+
+async def test_ready_gets_the_configured_health_path(make_backend):
+    config = CONFIG.model_copy(update={"health_path": "health/live"})
+    backend, upstream = make_backend(lambda r: httpx.Response(200), config)
+    assert await backend.ready() is True
+    assert upstream.requests[0].url.path == "/v1/health/live"
+
+
+async def test_ready_without_a_health_path_checks_only_the_credentials(make_backend):
+    """Vertex AI's endpoint has nothing to GET: probing it would fail and open the breaker."""
+    config = CONFIG.model_copy(update={"health_path": None})
+    backend, upstream = make_backend(lambda r: httpx.Response(404), config)
+    assert await backend.ready() is True
+    assert upstream.requests == []
 
 
 @pytest.mark.parametrize(("status", "expected"), [(401, 502), (403, 502), (429, 503)])
@@ -283,3 +379,22 @@ async def test_a_malformed_usage_frame_is_a_clean_502(make_backend):
     with pytest.raises(ForgeError) as info:
         await batches_of(backend, CHAT)
     assert info.value.status == 502
+
+
+FALLBACKS_YAML = Path(__file__).resolve().parents[2] / "configs" / "fallbacks.yaml"
+
+
+def test_the_shipped_real_fallbacks_validate():
+    """configs/fallbacks.yaml is copied into deployments: both blocks must stay valid."""
+    blocks = yaml.safe_load(FALLBACKS_YAML.read_text())
+    gemini = FallbackConfig.model_validate(blocks["gemini"])
+    assert (gemini.auth, gemini.api_key_env) == ("api_key", "GEMINI_API_KEY")
+    assert gemini.base_url == "https://generativelanguage.googleapis.com/v1beta/openai/"
+    vertex = FallbackConfig.model_validate(blocks["vertex_ai"])
+    assert (vertex.auth, vertex.api_key_env, vertex.model) == (
+        "gcp_metadata",
+        None,
+        "google/gemini-2.5-flash",
+    )
+    assert vertex.base_url.endswith("/endpoints/openapi")
+    assert vertex.health_path is None

@@ -1,4 +1,4 @@
-"""PoolBackend's deadlines with a fake Serve handle: first token, idle gap, total."""
+"""PoolBackend's four timeouts with a fake Serve handle: connect, first token, idle, total."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from serve_app.backends.base import Timeouts
 from serve_app.backends.pool import PoolBackend
 from serve_app.errors import ForgeError
 
@@ -13,9 +14,13 @@ from serve_app.errors import ForgeError
 class FakeStream:
     """Stands in for a DeploymentResponseGenerator: yields after the given delays."""
 
-    def __init__(self, delays: list[float]) -> None:
+    def __init__(self, delays: list[float], assign_s: float = 0.0) -> None:
         self.delays = list(delays)
+        self.assign_s = assign_s
         self.cancelled = False
+
+    async def _fetch_future_result_async(self):  # Serve: resolves once a replica took it
+        await asyncio.sleep(self.assign_s)
 
     def __aiter__(self):
         return self
@@ -42,12 +47,12 @@ class FakeHandle:
         return self._fake
 
 
-def backend(stream: FakeStream, *, first=0.2, idle=0.2, total=5.0) -> PoolBackend:
-    return PoolBackend("p", FakeHandle(stream), first, idle, total)
+def backend(stream: FakeStream, *, connect=0.2, first=0.2, idle=0.2, total=5.0) -> PoolBackend:
+    return PoolBackend("p", FakeHandle(stream), Timeouts(connect, first, idle, total))
 
 
-async def drain(pool: PoolBackend) -> int:
-    return len([b async for b in pool.stream({}, "chat", "r")])
+async def drain(pool: PoolBackend, budget_s: float | None = None) -> int:
+    return len([b async for b in pool.stream({}, "chat", "r", budget_s)])
 
 
 async def test_a_healthy_stream_passes_every_deadline():
@@ -70,4 +75,19 @@ async def test_the_total_deadline_bounds_a_slow_but_steady_stream():
     stream = FakeStream([0.1] * 20)  # never idle for 0.2 s, but 2 s in all
     with pytest.raises(ForgeError) as info:
         await drain(backend(stream, total=0.5))
+    assert info.value.status == 504 and stream.cancelled
+
+
+async def test_no_replica_taking_the_request_is_a_connect_timeout():
+    stream = FakeStream([0.01], assign_s=1.0)  # every replica busy, or none up
+    with pytest.raises(ForgeError) as info:
+        await drain(backend(stream, connect=0.1))
+    assert info.value.status == 504 and "took the request" in info.value.message
+    assert stream.cancelled
+
+
+async def test_a_client_deadline_shorter_than_the_pool_total_wins():
+    stream = FakeStream([0.1] * 20)
+    with pytest.raises(ForgeError) as info:
+        await drain(backend(stream, total=60), budget_s=0.5)
     assert info.value.status == 504 and stream.cancelled

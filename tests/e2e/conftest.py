@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -49,6 +50,11 @@ FAIR_TENANTS = ("flood", "light")
 
 # A GPU's feel (the fairness drill's engine): ~10 ms a step whatever the batch, ~20 ms prefill.
 REALISTIC = fairness.ENGINE
+
+
+SYNC_INTERVAL_S = 0.2  # how soon gateway replicas hear of a breaker change
+BREAKER_THRESHOLD = 3
+COLD_POOL = "cold"  # starts at zero replicas
 
 
 def forge_args(port: int, redis_url: str | None) -> dict:
@@ -104,6 +110,34 @@ def forge_args(port: int, redis_url: str | None) -> dict:
                 },
                 "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
             },
+            {
+                # Scaled to zero: served by the fallback at once while a replica starts.
+                "name": COLD_POOL,
+                "model": "forge-cold",
+                "engine": fast,
+                "deployment": {
+                    "autoscaling_config": {
+                        "min_replicas": 0,
+                        "initial_replicas": 0,
+                        "max_replicas": 1,
+                        "upscale_delay_s": 0,
+                        "downscale_delay_s": 3600,  # once woken, it stays for the session
+                    },
+                    "ray_actor_options": {"num_cpus": 0},
+                },
+            },
+            {
+                # Chaos: two replicas with short timeouts, failing over to the fallback.
+                "name": "chaos",
+                "model": "forge-chaos",
+                "engine": fast,
+                "connect_timeout_s": 2.0,
+                "first_token_timeout_s": 1.0,
+                "idle_timeout_s": 1.0,
+                "request_timeout_s": 5.0,  # a hung non-streaming call waits this long
+                "routing": {"policy": "round_robin"},  # the bad replica gets its share
+                "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
+            },
             *(
                 {
                     # Routing policies that keep a prompt prefix on the replica that has it.
@@ -117,6 +151,12 @@ def forge_args(port: int, redis_url: str | None) -> dict:
                 for policy in ROUTED_POLICIES
             ),
         ],
+        "resilience": {
+            "sync_interval_s": SYNC_INTERVAL_S,
+            "breaker": {"failure_threshold": BREAKER_THRESHOLD, "cooldown_s": 2.0},
+            # Generous per-window floor: tests in a row must not starve each other of retries.
+            "retry_budget": {"min_retries": 10},
+        },
         "fallback": {
             "base_url": f"http://127.0.0.1:{port}/mock/v1",
             "model": "mock-gemini",
@@ -214,8 +254,10 @@ def forge_url(redis_server, metrics_port):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                break
+            ready = httpx.get(f"{url}/readyz", timeout=2)
+            backends = ready.json()["backends"] if ready.status_code == 200 else {}
+            if backends and all(up for name, up in backends.items() if name != COLD_POOL):
+                break  # every pool up (but the one at zero), not just the fallback
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -244,9 +286,20 @@ def faults(forge_url):
             touched.add(deployment)
             return replica_admin.set_fault_all(APP, deployment, spec)
 
+        def set_one(self, deployment: str, spec: dict) -> str:
+            """Fault one replica (the first by id); returns its id."""
+            touched.add(deployment)
+            replica = replica_admin.replica_ids(APP, deployment)[0]
+            replica_admin.set_fault(APP, deployment, replica, spec)
+            return replica
+
     yield Faults()
     for deployment in touched:
-        replica_admin.set_fault_all(APP, deployment, None)
+        with contextlib.suppress(Exception):  # a replica a test killed may still be listed
+            replica_admin.set_fault_all(APP, deployment, None)
+    if touched:  # the next test starts with every backend trusted again
+        replica_admin.reset_breakers(APP)
+        time.sleep(3 * SYNC_INTERVAL_S)
 
 
 @pytest.fixture

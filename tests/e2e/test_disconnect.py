@@ -14,21 +14,33 @@ from tests.e2e.conftest import ALPHA_KEY, APP
 pytestmark = pytest.mark.e2e
 
 
+STREAMS = 50
+
+
 def _running() -> int:
-    return sum(s["num_requests_running"] for s in replica_admin.all_stats(APP, "pool-primary"))
+    """Generations on the replicas, batched or waiting for a batch slot."""
+    return sum(
+        s["num_requests_running"] + s["num_requests_waiting"]
+        for s in replica_admin.all_stats(APP, "pool-primary")
+    )
 
 
-async def test_twenty_dropped_streams_free_every_slot(forge_url):
+def _generated() -> int:
+    return sum(s["generation_tokens"] for s in replica_admin.all_stats(APP, "pool-primary"))
+
+
+async def test_fifty_dropped_streams_free_every_slot_and_stop_generating(forge_url):
     body = {
         "model": "forge-sim",
         "messages": [{"role": "user", "content": "a long story please"}],
-        "max_tokens": 4000,  # ~16 s of decoding if nobody stopped it
+        "max_tokens": 2000,  # ~8 s of decoding if nobody stopped it
         "ignore_eos": True,
         "stream": True,
     }
     headers = {"authorization": f"Bearer {ALPHA_KEY}"}
     async with httpx.AsyncClient(base_url=forge_url, timeout=30) as client:
         started = asyncio.Event()
+        backends: list[str] = []
         ready = 0
 
         async def reader() -> int:
@@ -38,29 +50,34 @@ async def test_twenty_dropped_streams_free_every_slot(forge_url):
                 "POST", "/v1/chat/completions", json=body, headers=headers
             ) as response:
                 assert response.status_code == 200
+                backends.append(response.headers["x-forge-backend"])
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         seen += 1
                     if seen == 3:
                         ready += 1
-                        if ready == 20:
+                        if ready == STREAMS:
                             started.set()
                         await asyncio.sleep(3600)  # hold the stream open until cancelled
             return seen
 
-        tasks = [asyncio.create_task(reader()) for _ in range(20)]
+        tasks = [asyncio.create_task(reader()) for _ in range(STREAMS)]
         await asyncio.wait_for(started.wait(), 30)
         during = await asyncio.to_thread(_running)
         for task in tasks:
             task.cancel()  # closes each HTTP connection mid-stream
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    assert during == 20, "all twenty generations were running on the replicas"
-    deadline = time.monotonic() + 5
+    dropped_at = time.monotonic()
+    assert backends == ["primary"] * STREAMS
+    assert during == STREAMS, "every generation was running on the replicas"
     after = during
-    while time.monotonic() < deadline:
+    while time.monotonic() < dropped_at + 1.0:
         after = await asyncio.to_thread(_running)
         if after == 0:
             break
-        await asyncio.sleep(0.1)
-    assert after == 0, f"{after} generations kept running after their clients left"
+        await asyncio.sleep(0.05)
+    assert after == 0, f"{after} generations still running 1 s after their clients left"
+    generated = await asyncio.to_thread(_generated)
+    await asyncio.sleep(0.5)
+    assert await asyncio.to_thread(_generated) == generated, "tokens generated for nobody"

@@ -165,7 +165,7 @@ def test_full_pool_is_503(forge_url, openai_client, faults):
         thread.join()
     refused = [r for r in results if r.status_code == 503]
     assert refused, [r.status_code for r in results]
-    error = _assert_openai_error(refused[0], 503, "backend_unavailable")
+    error = _assert_openai_error(refused[0], 503, "backend_at_capacity")
     assert refused[0].headers["retry-after"]
     assert error["type"] == "api_error"
     assert {r.status_code for r in results} <= {503, 504}

@@ -94,6 +94,8 @@ def test_models_lists_pools_and_fallback(openai_client):
     assert ids == {
         "forge-sim",
         "forge-solo",
+        "forge-chaos",
+        "forge-cold",
         "forge-fair",
         "forge-prefix-affinity",
         "forge-kv-aware",

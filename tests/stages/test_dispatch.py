@@ -45,7 +45,9 @@ class FakeBackend:
         self.calls: list[tuple] = []
         self.closed = False
 
-    async def stream(self, body: dict, kind: str, request_id: str) -> AsyncIterator[list]:
+    async def stream(
+        self, body: dict, kind: str, request_id: str, budget_s: float | None = None
+    ) -> AsyncIterator[list]:
         self.calls.append((body, kind, request_id))
         try:
             if self.fail_before:
@@ -57,7 +59,9 @@ class FakeBackend:
         finally:
             self.closed = True
 
-    async def complete(self, body: dict, kind: str, request_id: str) -> dict:
+    async def complete(
+        self, body: dict, kind: str, request_id: str, budget_s: float | None = None
+    ) -> dict:
         self.calls.append((body, kind, request_id))
         if self.fail_before:
             raise self.fail_before

@@ -1,0 +1,153 @@
+"""The ``BreakerBoard``: the one owner of every breaker, shared by all gateway replicas.
+
+Gateway replicas never ask it on the request path while a backend is healthy: each keeps a copy
+of the states (``BreakerClient``) and sends outcomes in batches. Two things do go to the board
+at once, because they must be decided once for the whole fleet: a failure (so the breaker opens
+after the N-th failure anywhere, not after N per replica) and a half-open probe grant (exactly
+one probe, fleet-wide). It runs as a one-replica Serve deployment, like a pool's scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from serve_app.resilience.breaker import Admit, Breaker, BreakerSettings, Outcome, State
+
+# What a gateway replica reports: (backend, outcome value or "trip", whether it was a probe).
+Report = tuple[str, str, bool]
+# What it gets back per backend: (state, seconds until a probe may try).
+Snapshot = dict[str, tuple[int, float]]
+
+_FORGET_AFTER_S = 600.0  # a replica's breaker nobody reported on for this long is gone
+
+
+class BreakerBoard:
+    def __init__(
+        self,
+        settings: dict | BreakerSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: BoardMetrics | None = None,
+    ) -> None:
+        if isinstance(settings, dict):
+            settings = BreakerSettings(**settings)
+        self.settings = settings or BreakerSettings()
+        self._clock = clock
+        self._breakers: dict[str, Breaker] = {}
+        self._touched: dict[str, float] = {}
+        self._metrics = metrics
+
+    def breaker(self, backend: str) -> Breaker:
+        breaker = self._breakers.get(backend)
+        if breaker is None:
+            breaker = self._breakers[backend] = Breaker(self.settings, self._clock())
+            self._publish(backend, breaker)
+        return breaker
+
+    async def sync(self, reports: Iterable[Report] = ()) -> Snapshot:
+        """Apply a gateway replica's outcomes in the order it saw them; return every state."""
+        now = self._clock()
+        for backend, outcome, probe in reports:
+            breaker = self.breaker(backend)
+            before = breaker.state
+            if outcome == "trip":
+                breaker.trip(now)
+            else:
+                breaker.record(Outcome(outcome), now, probe=probe)
+            self._touched[backend] = now
+            if breaker.state is not before:
+                self._publish(backend, breaker, transition=True)
+        self._forget(now)
+        return self.snapshot()
+
+    async def admit(self, backend: str) -> tuple[str, Snapshot]:
+        """Decide for a backend whose cool-down is over: the first caller gets the probe."""
+        breaker = self.breaker(backend)
+        before = breaker.state
+        decision = breaker.admit(self._clock())
+        if breaker.state is not before:
+            self._publish(backend, breaker, transition=True)
+        if decision is Admit.PROBE and self._metrics is not None:
+            self._metrics.probes.inc(tags={"backend": backend})
+        return decision.value, self.snapshot()
+
+    async def reset(self, backend: str | None = None) -> Snapshot:
+        """Close one breaker, or all (an operator who knows better; a test between drills)."""
+        for name in [backend] if backend else list(self._breakers):
+            breaker = self._breakers.pop(name, None)
+            if breaker is not None and breaker.state is not State.CLOSED and self._metrics:
+                self._metrics.state.set(0, tags={"backend": name})
+                self._metrics.transitions.inc(tags={"backend": name, "to": "closed"})
+        return self.snapshot()
+
+    async def describe(self) -> dict[str, dict]:
+        """Every breaker the board knows, for operators and drills."""
+        now = self._clock()
+        return {
+            name: {
+                "state": b.state.name.lower(),
+                "retry_in_s": round(b.cooldown_left(now), 3),
+                "consecutive_failures": b.consecutive_failures,
+                "transitions": b.transitions,
+                "probes": b.probes,
+                "probes_per_half_open": list(b.recent_periods),
+            }
+            for name, b in sorted(self._breakers.items())
+        }
+
+    def snapshot(self) -> Snapshot:
+        now = self._clock()
+        return {
+            name: (int(b.state), b.cooldown_left(now))
+            for name, b in self._breakers.items()
+            if b.state is not State.CLOSED
+        }
+
+    def _forget(self, now: float) -> None:
+        stale = [
+            name
+            for name, at in self._touched.items()
+            if "/" in name and now - at > _FORGET_AFTER_S  # only replicas come and go
+        ]
+        for name in stale:
+            self._touched.pop(name, None)
+            self._breakers.pop(name, None)
+
+    def _publish(self, backend: str, breaker: Breaker, *, transition: bool = False) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.state.set(int(breaker.state), tags={"backend": backend})
+        if transition:
+            self._metrics.transitions.inc(
+                tags={"backend": backend, "to": breaker.state.name.lower()}
+            )
+
+
+class BoardMetrics:
+    """The board's series: one writer, so a backend's state is one series, not one per gateway."""
+
+    def __init__(self) -> None:
+        from ray.serve.metrics import Counter, Gauge
+
+        self.state = Gauge(
+            "forge_breaker_state",
+            description="Circuit breaker state per backend: 0 closed, 1 half-open, 2 open.",
+            tag_keys=("backend",),
+        )
+        self.transitions = Counter(
+            "forge_breaker_transitions_total",
+            description="Circuit breaker transitions per backend, by the state entered.",
+            tag_keys=("backend", "to"),
+        )
+        self.probes = Counter(
+            "forge_breaker_probes_total",
+            description="Half-open probes let through, per backend (one per half-open period).",
+            tag_keys=("backend",),
+        )
+
+
+class BreakerBoardDeployment(BreakerBoard):
+    """The Serve deployment class (``app.py`` binds it with the config's breaker settings)."""
+
+    def __init__(self, settings: dict) -> None:
+        super().__init__(settings, metrics=BoardMetrics())

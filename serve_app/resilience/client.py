@@ -1,0 +1,165 @@
+"""A gateway replica's view of the shared breakers: local reads, batched reports.
+
+Reading a state is a dict lookup: a healthy request path never waits on the board. Outcomes
+queue up and go to the board in one call per ``sync_interval_s``, which also brings back every
+non-closed state; a failure or a probe's verdict is sent at once instead, so the board opens a
+breaker on the N-th failure fleet-wide within one round trip of it.
+
+The staleness accepted: another gateway replica hears of an open breaker up to
+``sync_interval_s`` (0.5 s by default) late. Meanwhile its requests to the dead backend fail
+before their first byte and are retried within the retry budget, so the cost is a few retries,
+never an error a client sees; syncing faster would cost a board round trip per interval for
+every gateway replica forever, for an outage that happens rarely.
+
+If the board cannot be reached the client keeps its last copy and lets requests through
+(breakers are an optimisation; the retry budget still bounds the damage), and counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from serve_app.resilience.board import Report, Snapshot
+from serve_app.resilience.breaker import Admit, Outcome, State
+
+logger = logging.getLogger("ray.serve")
+
+# A call to the board: ("sync", reports) or ("admit", backend) → its answer.
+BoardCall = Callable[..., Awaitable[Any]]
+
+_BOARD_TIMEOUT_S = 2.0
+
+
+class BreakerClient:
+    def __init__(
+        self,
+        call: BoardCall | None,
+        sync_interval_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        on_board_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self._call = call
+        self._interval = sync_interval_s
+        self._clock = clock
+        self._on_board_error = on_board_error
+        self._states: dict[str, tuple[State, float]] = {}  # backend → (state, probe may try at)
+        self._pending: list[Report] = []
+        self._urgent = asyncio.Event()
+        self._asking: set[str] = set()  # probe grants being asked for from this replica
+        self._task: asyncio.Task | None = None
+
+    # -- reads (the request path) ------------------------------------------------------------
+
+    def state(self, backend: str) -> State:
+        entry = self._states.get(backend)
+        return State.CLOSED if entry is None else entry[0]
+
+    def probe_ready(self, backend: str) -> bool:
+        """Not closed, but its cool-down is over: a request may ask the board for the probe."""
+        entry = self._states.get(backend)
+        return entry is not None and self._clock() >= entry[1]
+
+    def retry_after(self, backend: str) -> float:
+        entry = self._states.get(backend)
+        return 0.0 if entry is None else max(0.0, entry[1] - self._clock())
+
+    async def admit(self, backend: str) -> Admit:
+        """PASS while closed (no round trip); past an open breaker's cool-down, ask the board."""
+        self._ensure_running()
+        entry = self._states.get(backend)
+        if entry is None:
+            return Admit.PASS
+        if self._clock() < entry[1] or backend in self._asking or self._call is None:
+            return Admit.DENY
+        self._asking.add(backend)
+        try:
+            decision, snapshot = await asyncio.wait_for(
+                self._call("admit", backend), _BOARD_TIMEOUT_S
+            )
+        except Exception as exc:  # board unreachable: let it through, the budget still holds
+            self._board_error("admit", exc)
+            return Admit.PASS
+        finally:
+            self._asking.discard(backend)
+        self._apply(snapshot)
+        return Admit(decision)
+
+    # -- reports -----------------------------------------------------------------------------
+
+    def record(self, backend: str, outcome: Outcome, *, probe: bool = False) -> None:
+        self._ensure_running()
+        self._pending.append((backend, outcome.value, probe))
+        if probe or outcome is Outcome.FAILURE:
+            self._urgent.set()
+
+    def trip(self, backend: str) -> None:
+        """Open a breaker now (a pool found at zero replicas), fleet-wide."""
+        self._ensure_running()
+        self._pending.append((backend, "trip", False))
+        self._urgent.set()
+        # Locally at once, so the very next request routes around it too.
+        self._states.setdefault(backend, (State.OPEN, self._clock() + 1.0))
+
+    async def flush(self) -> None:
+        """Send what is queued; take the board's states back."""
+        if self._call is None:
+            return
+        reports, self._pending = self._pending, []
+        try:
+            snapshot = await asyncio.wait_for(self._call("sync", reports), _BOARD_TIMEOUT_S)
+        except Exception as exc:
+            self._board_error("sync", exc)
+            return  # the reports are dropped: stale outcomes are worth less than a hung queue
+        self._apply(snapshot)
+
+    def _apply(self, snapshot: Snapshot) -> None:
+        now = self._clock()
+        self._states = {
+            backend: (State(state), now + cooldown_left)
+            for backend, (state, cooldown_left) in snapshot.items()
+        }
+
+    # -- background sync ---------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        if self._task is None and self._call is not None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), self._interval)
+            self._urgent.clear()
+            try:
+                await self.flush()
+            except Exception:  # never let the sync loop die
+                logger.exception("breaker sync failed")
+
+    def _board_error(self, op: str, exc: BaseException) -> None:
+        logger.warning("breaker board %s failed: %s", op, type(exc).__name__)
+        if self._on_board_error is not None:
+            self._on_board_error(op)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+_current: BreakerClient | None = None
+
+
+def install(client: BreakerClient) -> None:
+    """Make this process's client visible to the pools' request routers (same process)."""
+    global _current
+    _current = client
+
+
+def current() -> BreakerClient | None:
+    return _current

@@ -1,0 +1,116 @@
+"""The board and the gateway-side client: shared decisions, local reads, batched reports."""
+
+from __future__ import annotations
+
+import asyncio
+
+from serve_app.resilience.board import BreakerBoard
+from serve_app.resilience.breaker import Admit, BreakerSettings, Outcome, State
+from serve_app.resilience.client import BreakerClient
+
+S = BreakerSettings(failure_threshold=3, cooldown_s=5, min_requests=100)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def link(board: BreakerBoard, calls: list[str] | None = None):
+    """The client's call to the board, in process (Serve's handle does this over RPC)."""
+
+    async def call(method: str, *args):
+        if calls is not None:
+            calls.append(method)
+        return await getattr(board, method)(*args)
+
+    return call
+
+
+async def test_failures_from_two_gateways_add_up_on_the_board():
+    clock = Clock()
+    board = BreakerBoard(S, clock)
+    a = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    b = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    a.record("primary", Outcome.FAILURE)
+    a.record("primary", Outcome.FAILURE)
+    b.record("primary", Outcome.FAILURE)
+    await a.flush()
+    assert board.breaker("primary").state is State.CLOSED  # 2 of 3
+    await b.flush()
+    assert board.breaker("primary").state is State.OPEN  # the third, from another gateway
+    assert b.state("primary") is State.OPEN
+    assert a.state("primary") is State.CLOSED  # hears of it on its next sync
+    await a.flush()
+    assert a.state("primary") is State.OPEN
+
+
+async def test_a_healthy_path_never_calls_the_board():
+    calls: list[str] = []
+    client = BreakerClient(link(BreakerBoard(S), calls), sync_interval_s=60)
+    assert [await client.admit("primary") for _ in range(100)] == [Admit.PASS] * 100
+    assert calls == []
+
+
+async def test_only_one_gateway_gets_the_probe():
+    clock = Clock()
+    board = BreakerBoard(S, clock)
+    clients = [BreakerClient(link(board), sync_interval_s=60, clock=clock) for _ in range(3)]
+    for _ in range(3):
+        clients[0].record("fallback", Outcome.FAILURE)
+    await clients[0].flush()
+    for c in clients:
+        await c.flush()
+        assert await c.admit("fallback") is Admit.DENY  # cooling down: no board call needed
+    clock.now = 6
+    decisions = await asyncio.gather(*(c.admit("fallback") for c in clients))
+    assert sorted(d.value for d in decisions) == ["deny", "deny", "probe"]
+
+
+async def test_the_probe_verdict_closes_it_for_everyone():
+    clock = Clock()
+    board = BreakerBoard(S, clock)
+    a = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    b = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    a.trip("primary")
+    await a.flush()
+    await b.flush()
+    clock.now = 6
+    assert await b.admit("primary") is Admit.PROBE
+    b.record("primary", Outcome.SUCCESS, probe=True)
+    await b.flush()
+    await a.flush()
+    assert a.state("primary") is State.CLOSED and await a.admit("primary") is Admit.PASS
+
+
+async def test_an_unreachable_board_fails_open_and_is_counted():
+    errors: list[str] = []
+
+    async def broken(method: str, *args):
+        raise ConnectionError("board gone")
+
+    clock = Clock()
+    client = BreakerClient(broken, sync_interval_s=60, clock=clock, on_board_error=errors.append)
+    client.trip("primary")  # known locally at once
+    assert client.state("primary") is State.OPEN
+    await client.flush()
+    clock.now = 2
+    assert await client.admit("primary") is Admit.PASS  # cannot ask for a probe: let it through
+    assert errors == ["sync", "admit"]
+
+
+async def test_the_sync_loop_pushes_failures_at_once():
+    board = BreakerBoard(S)
+    client = BreakerClient(link(board), sync_interval_s=60)
+    await client.admit("x")  # starts the loop
+    for _ in range(3):
+        client.record("primary", Outcome.FAILURE)
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if client.state("primary") is State.OPEN:
+            break
+    assert client.state("primary") is State.OPEN  # long before the 60 s interval
+    await client.aclose()

@@ -1,0 +1,162 @@
+"""Dispatch with breakers and the retry budget: route around the known dead, retry once."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.requests import Request
+
+from serve_app import errors
+from serve_app.errors import ForgeError
+from serve_app.resilience.board import BreakerBoard
+from serve_app.resilience.breaker import BreakerSettings, State
+from serve_app.resilience.client import BreakerClient
+from serve_app.resilience.retry_budget import RetryBudget, RetryBudgetSettings
+from serve_app.stages.dispatch import Dispatch
+from tests.resilience.test_board import Clock, link
+from tests.stages.test_dispatch import MODEL, FakeBackend, body_of, chunk, make_ctx
+
+SETTINGS = BreakerSettings(failure_threshold=3, cooldown_s=5, min_requests=100)
+
+
+def rig(primary: FakeBackend, fallback: FakeBackend | None, *, min_retries: int = 100):
+    clock = Clock()
+    board = BreakerBoard(SETTINGS, clock)
+    client = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    budget = RetryBudget(RetryBudgetSettings(ratio=0.1, window_s=10, min_retries=min_retries))
+    backends = [primary] + ([fallback] if fallback else [])
+    return Dispatch({MODEL: backends}, client, budget), client, clock
+
+
+def dead(name: str) -> FakeBackend:
+    return FakeBackend(name, fail_before=errors.bad_gateway("replica went away"))
+
+
+async def test_after_enough_failures_the_dead_primary_is_not_even_tried():
+    primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, client, _ = rig(primary, fallback)
+    for _ in range(3):
+        response = await dispatch(make_ctx())
+        assert response.headers["x-forge-backend"] == "fallback"
+        await body_of(response)
+    await client.flush()
+    assert client.state("primary") is State.OPEN
+    for _ in range(10):
+        response = await dispatch(make_ctx())
+        await body_of(response)
+    assert len(primary.calls) == 3  # the 10 later requests routed around it for free
+
+
+async def test_after_the_cooldown_one_request_probes_and_its_success_brings_traffic_home():
+    primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, client, clock = rig(primary, fallback)
+    for _ in range(3):
+        await body_of(await dispatch(make_ctx()))
+    await client.flush()
+    primary.fail_before = None  # it comes back
+    primary.batches = [[chunk("home")]]
+    clock.now = 6
+    served = []
+    for _ in range(5):
+        response = await dispatch(make_ctx())
+        served.append(response.headers["x-forge-backend"])
+        await body_of(response)
+        await client.flush()
+    assert served == ["primary"] * 5
+    assert client.state("primary") is State.CLOSED
+
+
+async def test_a_probe_that_fails_is_retried_on_the_fallback_and_reopens_the_breaker():
+    primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, client, clock = rig(primary, fallback)
+    for _ in range(3):
+        await body_of(await dispatch(make_ctx()))
+    await client.flush()
+    clock.now = 6
+    response = await dispatch(make_ctx())
+    assert response.headers["x-forge-backend"] == "fallback"
+    await client.flush()
+    assert client.state("primary") is State.OPEN and len(primary.calls) == 4
+
+
+async def test_the_retry_budget_caps_retries_and_the_client_sees_the_first_failure():
+    primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, _, _ = rig(primary, fallback, min_retries=1)
+    assert (await dispatch(make_ctx())).headers["x-forge-backend"] == "fallback"
+    with pytest.raises(ForgeError) as info:
+        await dispatch(make_ctx())
+    assert info.value.status == 502 and len(fallback.calls) == 1
+
+
+async def test_a_4xx_is_neither_retried_nor_a_breaker_failure():
+    primary = FakeBackend(
+        "primary", fail_before=ForgeError(400, "too long", type="invalid_request_error")
+    )
+    fallback = FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, client, _ = rig(primary, fallback)
+    for _ in range(5):
+        with pytest.raises(ForgeError):
+            await dispatch(make_ctx())
+    await client.flush()
+    assert fallback.calls == [] and client.state("primary") is State.CLOSED
+
+
+async def test_with_every_backend_open_the_answer_is_a_fast_503_with_retry_after():
+    primary, fallback = dead("primary"), dead("fallback")
+    dispatch, client, _ = rig(primary, fallback)
+    for _ in range(3):
+        with pytest.raises(ForgeError):
+            await dispatch(make_ctx())
+    await client.flush()
+    calls = len(primary.calls) + len(fallback.calls)
+    with pytest.raises(ForgeError) as info:
+        await dispatch(make_ctx())
+    assert info.value.status == 503 and int(info.value.headers["retry-after"]) >= 1
+    assert len(primary.calls) + len(fallback.calls) == calls
+
+
+async def test_without_a_fallback_the_one_retry_goes_to_the_same_pool():
+    primary = dead("primary")
+    dispatch, _, _ = rig(primary, None)
+    with pytest.raises(ForgeError):
+        await dispatch(make_ctx(stream=False))
+    assert len(primary.calls) == 2  # never more than one retry
+
+
+async def test_a_failure_after_the_first_byte_is_never_retried():
+    primary = FakeBackend(
+        "primary", [[chunk("half")]], fail_after=errors.bad_gateway("died mid-stream")
+    )
+    fallback = FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, _, _ = rig(primary, fallback)
+    parts = await body_of(await dispatch(make_ctx()))
+    assert b"died mid-stream" in parts[-1] and fallback.calls == []
+
+
+def ctx_with_headers(headers: list[tuple[bytes, bytes]]):
+    ctx = make_ctx()
+    ctx.request = Request(
+        {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+    )
+    return ctx
+
+
+async def test_a_malformed_client_timeout_is_a_400():
+    dispatch, _, _ = rig(FakeBackend("primary", [[chunk("ok")]]), None)
+    with pytest.raises(ForgeError) as info:
+        await dispatch(ctx_with_headers([(b"x-request-timeout", b"soon")]))
+    assert info.value.status == 400 and info.value.param == "x-request-timeout"
+
+
+async def test_the_client_timeout_reaches_the_backend_as_its_budget():
+    seen = []
+
+    class Recording(FakeBackend):
+        async def complete(self, body, kind, request_id, budget_s=None):
+            seen.append(budget_s)
+            return await super().complete(body, kind, request_id)
+
+    dispatch, _, _ = rig(Recording("primary"), None)
+    ctx = ctx_with_headers([(b"x-stainless-timeout", b"7")])
+    ctx.parsed = ctx.parsed.model_copy(update={"stream": False})
+    await dispatch(ctx)
+    assert seen and 6 < seen[0] <= 7
