@@ -24,6 +24,36 @@ def free_port() -> int:
 _port: int | None = None
 
 
+def _start_ray_and_proxy() -> int:
+    import ray
+    from ray import serve
+
+    ray.init(
+        num_cpus=2,
+        object_store_memory=100 * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def _wait_ready(proxy: str, *, every_backend: bool = False) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ready = httpx.get(f"{proxy}/readyz", timeout=2)
+            if ready.status_code == 200 and (
+                not every_backend or all(ready.json()["backends"].values())
+            ):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("Forge did not become ready")
+
+
 def start_forge(args: dict, *, reuse: bool = False) -> str:
     """Run Forge with these ``args``; returns the cheapest URL to drive it (direct ingress).
 
@@ -38,29 +68,32 @@ def start_forge(args: dict, *, reuse: bool = False) -> str:
 
     global _port
     if not (reuse and ray.is_initialized()):
-        ray.init(
-            num_cpus=2,
-            object_store_memory=100 * 1024 * 1024,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-        _port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": _port})
-    port = _port
+        _port = _start_ray_and_proxy()
     serve.run(build_app(args), name=APP, route_prefix="/")
-    url = replica_admin.direct_ingress_url(APP) or f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("Forge did not become ready")
+    _wait_ready(f"http://127.0.0.1:{_port}")
+    return replica_admin.direct_ingress_url(APP) or f"http://127.0.0.1:{_port}"
 
 
 def stop_forge() -> None:
     import ray
 
     ray.shutdown()
+
+
+def start_forge_with_mock(make_args, mock_engine: dict | None = None) -> str:
+    """Ray, Serve's proxy, the mock fallback at ``/mock`` and Forge built by ``make_args(port)``;
+    returns the proxy's URL (which spreads requests over every gateway replica) once every
+    backend is ready, not just the first."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.mock_openai import build_mock
+
+    global _port
+    _port = _start_ray_and_proxy()
+    mock = build_mock({"model": "mock-gemini", "engine": mock_engine or {}})
+    serve.run(mock, name="mock-fallback", route_prefix="/mock")
+    serve.run(build_app(make_args(_port)), name=APP, route_prefix="/")
+    url = f"http://127.0.0.1:{_port}"
+    _wait_ready(url, every_backend=True)
+    return url
