@@ -44,6 +44,7 @@ class RequestContext:
     # fallback, not the pool, is going to serve). Idempotent.
     release_slot: Callable[[], None] | None = None
     stream_error: str | None = None  # set when a stream ended with an SSE error event
+    client_timeout_s: float | None = None  # the client's own total deadline, if it gave one
 
     @property
     def tenant_name(self) -> str:

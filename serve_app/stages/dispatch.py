@@ -39,8 +39,6 @@ from serve_app.routing.ledger import replica_backend
 logger = logging.getLogger("ray.serve")
 
 _STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-# A client's own deadline, in seconds: ours, then the one the OpenAI SDKs send with every call.
-_TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
 _MAX_ATTEMPTS = 2  # the first try and at most one retry
 
 
@@ -75,7 +73,7 @@ class Dispatch:
             raise errors.model_not_found(ctx.parsed.model)
         if self.budget is not None:
             self.budget.on_request(time.monotonic())
-        budget_s = _client_timeout(ctx)
+        budget_s = ctx.client_timeout_s
         failure: errors.ForgeError | None = None
         attempts = 0
         for backend in _with_retry(candidates):
@@ -276,25 +274,6 @@ def _another_chance(backend: Backend, ctx: RequestContext) -> bool:
     if isinstance(backend, PoolBackend):
         return ctx.replica is not None and (backend.replica_count() or 0) > 1
     return True
-
-
-def _client_timeout(ctx: RequestContext) -> float | None:
-    headers = ctx.request.headers
-    for name in _TIMEOUT_HEADERS:
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            seconds = float(value)
-        except ValueError:
-            if name == "x-request-timeout":
-                raise errors.invalid_request(
-                    "x-request-timeout must be a number of seconds.", param=name
-                ) from None
-            continue
-        if seconds > 0 and math.isfinite(seconds):
-            return seconds
-    return None
 
 
 def _release_pool_slot_on_failover(
