@@ -1,0 +1,358 @@
+"""The vLLM engine: vLLM's async engine and its own OpenAI serving layer, in the replica's process.
+
+Forge drives vLLM directly rather than through Ray Serve LLM's ``LLMServer`` (docs/vllm.md has
+the evaluation): requests go through vLLM's ``OpenAIServingChat`` / ``OpenAIServingCompletion``
+(the objects behind ``vllm serve``), so chat templates, tokenisation, validation and the chunk
+format are vLLM's own, byte for byte. Forge adds only what its replica contract needs: usage for
+metering on every stream, an abort the moment the caller goes away, and the scheduler's numbers
+(running, waiting, KV-cache use, prefix-cache queries and hits) for routing and dashboards.
+
+vLLM is imported lazily: this module imports (and its config validates) without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from serve_app import errors
+from serve_app.config import VLLMEngineConfig
+from serve_app.engines.base import Engine, EngineError, EngineStats, Kind, Usage
+
+logger = logging.getLogger("ray.serve")
+
+
+class VLLMEngine(Engine):
+    """One vLLM ``AsyncLLM`` serving one model under the pool's model name.
+
+    The model loads in the constructor, so a replica (and Serve's view of it) is only ready once
+    vLLM can serve; ``start`` then builds the serving layer, which needs the event loop.
+    """
+
+    def __init__(self, model: str, config: VLLMEngineConfig, default_max_tokens: int) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.model = model
+        self.config = config
+        self.default_max_tokens = default_max_tokens
+        self._serial = 0
+        self._load = SchedulerLoad()
+        self._args = vllm_server_args(model, config)
+        engine_args = AsyncEngineArgs.from_cli_args(self._args)
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.block_size = vllm_config.cache_config.block_size
+        self.llm = AsyncLLM.from_vllm_config(
+            vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=self._stat_loggers(),
+            enable_log_requests=False,
+            disable_log_stats=False,
+        )
+        self._chat = None
+        self._completion = None
+
+    def _stat_loggers(self) -> list:
+        """Forge's tap on the scheduler's numbers, and where vLLM's own metrics go.
+
+        Inside Ray, vLLM's ``RayPrometheusStatLogger`` replaces its process-local Prometheus
+        logger, so the ``vllm:*`` series reach the cluster's Prometheus through Ray's metrics
+        agent (as with Ray Serve LLM). Outside Ray (engine tests) the local registry keeps them.
+        """
+        loggers: list = [self._load.per_engine_logger]
+        if self.config.export_metrics_to_ray:
+            import ray
+
+            if ray.is_initialized():
+                from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+                loggers.append(RayPrometheusStatLogger)
+        return loggers
+
+    async def start(self) -> None:
+        """vLLM's serving layer, built exactly as ``vllm serve`` builds it (``init_app_state``)."""
+        if self._chat is not None:
+            return
+        from starlette.datastructures import State
+
+        init_app_state = _import_first(
+            "vllm.entrypoints.launchers.api_server.app_state:init_app_state",  # vLLM >= 0.30
+            "vllm.entrypoints.openai.api_server:init_app_state",
+        )
+        state = State()
+        kwargs: dict[str, Any] = {}
+        parameters = inspect.signature(init_app_state).parameters
+        if "supported_tasks" in parameters:
+            kwargs["supported_tasks"] = await self.llm.get_supported_tasks()
+        if "vllm_config" in parameters:
+            kwargs["vllm_config"] = self.llm.vllm_config
+        await init_app_state(self.llm, state, self._args, **kwargs)
+        self._chat = state.openai_serving_chat
+        self._completion = state.openai_serving_completion
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _request(self, body: dict, kind: Kind, request_id: str, stream: bool):
+        """vLLM's request object for ``body`` and the vLLM request ids to abort it by."""
+        from pydantic import ValidationError
+
+        if kind == "chat":
+            from vllm.entrypoints.openai.chat_completion.protocol import (
+                ChatCompletionRequest as request_class,
+            )
+        else:
+            from vllm.entrypoints.openai.completion.protocol import (
+                CompletionRequest as request_class,
+            )
+        # Client request ids may repeat; vLLM's must not (an abort by id would hit both).
+        self._serial += 1
+        base_id = f"{request_id}-{self._serial}"
+        payload = {**body, "model": self.model, "request_id": base_id}
+        if payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None:
+            payload["max_tokens"] = self.default_max_tokens
+        if stream:
+            # Metering needs usage on every stream; the frame is dropped if the client didn't ask.
+            payload["stream_options"] = {
+                **(body.get("stream_options") or {}),
+                "include_usage": True,
+            }
+        try:
+            request = request_class.model_validate(payload)
+        except ValidationError as exc:
+            raise errors.invalid_request(_first_error(exc)) from None
+        return request, _vllm_request_ids(kind, base_id, body)
+
+    async def _serve(self, request, kind: Kind):
+        """Run one request through vLLM's serving layer; its 4xx become Forge's 4xx."""
+        await self.start()
+        serving = self._chat if kind == "chat" else self._completion
+        try:
+            if kind == "chat":
+                result = await serving.create_chat_completion(request, raw_request=None)
+            else:
+                result = await serving.create_completion(request, raw_request=None)
+        except Exception as exc:  # vLLM raises some validation errors instead of returning them
+            result = _error_response_for(serving, exc)
+        error = getattr(result, "error", None)  # vLLM's ErrorResponse
+        if error is not None:
+            raise _forge_error(error.code, error.message, error.param)
+        return result
+
+    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
+        request, vllm_ids = self._request(body, kind, request_id, stream=True)
+        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        frames = await self._serve(request, kind)
+        usage: Usage | None = None
+        try:
+            async for frame in frames:
+                if frame.startswith("data: [DONE]"):
+                    continue  # the gateway ends the stream, not the engine
+                if frame.startswith('data: {"error"'):
+                    raise EngineError(_stream_error_message(frame))
+                data = frame.encode()
+                if '"choices":[]' in frame and '"usage":{' in frame:
+                    usage = _usage_of(orjson.loads(data[6:])["usage"])
+                    if not client_wants_usage:
+                        continue
+                yield data
+        finally:
+            if usage is None:
+                # Cancelled or closed early (client gone, deadline, failure): free the slot now,
+                # not when the garbage collector finalises vLLM's generators.
+                await self._abort(vllm_ids)
+            with contextlib.suppress(Exception):
+                await frames.aclose()
+        if usage is None:  # never with include_usage forced on; a broken stream if it happens
+            raise EngineError("vLLM's stream ended without its usage chunk")
+        yield usage
+
+    async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
+        request, vllm_ids = self._request(body, kind, request_id, stream=False)
+        try:
+            response = await self._serve(request, kind)
+        except asyncio.CancelledError:
+            await self._abort(vllm_ids)
+            raise
+        # What vLLM's server returns for it (JSONResponse(content=response.model_dump())).
+        body_out = response.model_dump()
+        return body_out, _usage_of(body_out["usage"])
+
+    async def _abort(self, vllm_ids: list[str]) -> None:
+        with contextlib.suppress(Exception):  # already finished, or the engine is gone
+            await self.llm.abort(vllm_ids)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        load = self._load
+        return EngineStats(
+            num_requests_running=load.running,
+            num_requests_waiting=load.waiting,
+            kv_cache_usage_perc=load.kv_cache_usage,
+            prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_hits=load.prefix_cache_hits,
+            max_num_seqs=self.max_num_seqs,
+            generation_tokens=load.generation_tokens,
+        )
+
+    async def check_health(self) -> None:
+        try:
+            await self.llm.check_health()
+        except Exception as exc:
+            raise EngineError(f"vLLM engine is dead: {exc}") from exc
+
+    async def shutdown(self) -> None:
+        """Stop vLLM's engine-core process. Serve has drained the replica's requests by now."""
+        self.llm.shutdown()
+
+
+class SchedulerLoad:
+    """vLLM's scheduler numbers, kept as vLLM's Prometheus logger records them.
+
+    vLLM hands every scheduler and iteration update to its stat loggers; this one keeps the
+    latest gauges and sums the counters, so ``stats()`` equals ``vllm:num_requests_running``,
+    ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+    ``vllm:prefix_cache_{queries,hits}_total`` and ``vllm:generation_tokens_total`` without
+    scraping anything. It is vLLM's per-engine ``StatLoggerBase`` by duck typing, so this module
+    imports without vLLM.
+    """
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.generation_tokens = 0
+
+    def per_engine_logger(self, vllm_config: Any, engine_index: int = 0) -> SchedulerLoad:
+        """vLLM's per-engine stat logger factory. One engine core per replica: one tap."""
+        return self
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
+        if iteration_stats is not None:
+            self.generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is None:
+            return
+        self.running = scheduler_stats.num_running_reqs
+        # vllm:num_requests_waiting counts deferred requests too.
+        self.waiting = scheduler_stats.num_waiting_reqs + getattr(
+            scheduler_stats, "num_skipped_waiting_reqs", 0
+        )
+        self.kv_cache_usage = scheduler_stats.kv_cache_usage
+        self.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
+        self.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
+
+    def log(self) -> None:
+        """Nothing to print: vLLM's own logging logger does that."""
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to announce."""
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        """Sleep mode is not used by Forge."""
+
+
+def vllm_server_args(model: str, config: VLLMEngineConfig) -> argparse.Namespace:
+    """The arguments ``vllm serve`` would have parsed, from Forge's config.
+
+    Starting from vLLM's own parser keeps every default (engine and OpenAI front end) exactly as
+    ``vllm serve`` has it; only what the config names is changed.
+    """
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    make_arg_parser = _import_first(
+        "vllm.entrypoints.launchers.cli_args:make_arg_parser",  # vLLM >= 0.30
+        "vllm.entrypoints.openai.cli_args:make_arg_parser",
+    )
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    settings = {
+        "model": config.model,
+        "served_model_name": [model],
+        "max_num_seqs": config.max_num_seqs,
+        "block_size": config.block_size,
+        "max_model_len": config.max_model_len,
+        "dtype": config.dtype,
+        "enforce_eager": config.enforce_eager,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        # Usage carries cached_tokens, which metering and the routing experiments read.
+        "enable_prompt_tokens_details": True,
+        **config.engine_args,
+    }
+    unknown = sorted(name for name in config.engine_args if not hasattr(args, name))
+    if unknown:
+        raise ValueError(f"engine_args {unknown} are not vLLM engine or server arguments")
+    for name, value in settings.items():
+        setattr(args, name, value)
+    return args
+
+
+def _vllm_request_ids(kind: Kind, base_id: str, body: dict) -> list[str]:
+    """The ids vLLM's serving layer gives a request's generations (what ``abort`` takes)."""
+    if kind == "chat":
+        return [f"chatcmpl-{base_id}"]
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return [f"cmpl-{base_id}-{i}" for i in range(len(prompt) if batch else 1)]
+
+
+def _usage_of(usage: dict) -> Usage:
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(
+        prompt_tokens=usage["prompt_tokens"],
+        completion_tokens=usage.get("completion_tokens") or 0,
+        cached_tokens=details.get("cached_tokens") or 0,
+    )
+
+
+def _forge_error(status: int, message: str, param: str | None) -> Exception:
+    """vLLM's client errors keep their status; its server errors are engine failures (5xx)."""
+    if status >= 500:
+        return EngineError(message)
+    if status == 400:
+        code = "context_length_exceeded" if "context length" in message else "invalid_value"
+        return errors.invalid_request(message, param=param, code=code)
+    return errors.ForgeError(status, message, type="invalid_request_error", param=param)
+
+
+def _error_response_for(serving, exc: Exception):
+    """vLLM's own mapping of an exception to an error response; unknown ones are 5xx."""
+    try:
+        return serving.create_error_response(exc)
+    except Exception:
+        raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _stream_error_message(frame: str) -> str:
+    try:
+        return orjson.loads(frame[6:])["error"]["message"]
+    except Exception:
+        return frame[6:].strip()
+
+
+def _first_error(exc) -> str:
+    first = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def _import_first(*paths: str):
+    """The first of ``module:attribute`` that imports: vLLM moves modules between releases."""
+    for path in paths:
+        module_name, attribute = path.split(":")
+        try:
+            return getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"none of {paths} is importable from the installed vLLM")

