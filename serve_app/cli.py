@@ -1,8 +1,15 @@
-"""``forge``: operator commands. ``forge keys new --tenant NAME`` mints a key for a tenant."""
+"""``forge``: operator commands.
+
+``forge keys new --tenant NAME`` mints a key for a tenant; ``forge breakers [--app forge]``
+shows the circuit breakers of a running Forge (on a machine of its Ray cluster), and
+``forge breakers --reset [BACKEND]`` closes one, or all.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from serve_app.auth import hash_key, new_key
@@ -26,6 +33,22 @@ def _keys_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _breakers(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    from serve_app import replica_admin
+
+    ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        if args.reset is not None:
+            replica_admin.reset_breakers(args.app, args.reset or None)
+        print(json.dumps(replica_admin.describe_breakers(args.app), indent=1))
+    finally:
+        ray.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forge", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -35,6 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     new.set_defaults(run=_keys_new)
     hashed = keys.add_parser("hash", help="print the SHA-256 of a key read from stdin")
     hashed.set_defaults(run=_keys_hash)
+    breakers = commands.add_parser("breakers", help="show (or reset) the circuit breakers")
+    breakers.add_argument("--app", default="forge", help="the Serve application's name")
+    breakers.add_argument("--address", default="auto", help="the Ray cluster to connect to")
+    breakers.add_argument(
+        "--reset",
+        nargs="?",
+        const="",
+        metavar="BACKEND",
+        help="close this backend's breaker (primary, primary/<replica>, fallback), or all",
+    )
+    breakers.set_defaults(run=_breakers)
     args = parser.parse_args(argv)
     return args.run(args)
 
