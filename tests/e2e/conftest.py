@@ -78,6 +78,9 @@ def forge_args(port: int, redis_url: str | None) -> dict:
                 "name": "primary",
                 "model": "forge-sim",
                 "engine": fast,
+                # Bursts of 50 streams on 2 cores busy with the whole suite can take seconds
+                # to be assigned; a connect timeout is not what the tests on this pool test.
+                "connect_timeout_s": 15.0,
                 "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
             },
             {

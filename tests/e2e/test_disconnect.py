@@ -61,7 +61,10 @@ async def test_fifty_dropped_streams_free_every_slot_and_stop_generating(forge_u
                         await asyncio.sleep(3600)  # hold the stream open until cancelled
             return seen
 
-        tasks = [asyncio.create_task(reader()) for _ in range(STREAMS)]
+        tasks = []
+        for _ in range(STREAMS):  # a quick ramp, not one burst: this is not a connect test
+            tasks.append(asyncio.create_task(reader()))
+            await asyncio.sleep(0.01)
         await asyncio.wait_for(started.wait(), 30)
         during = await asyncio.to_thread(_running)
         for task in tasks:
