@@ -28,6 +28,7 @@ class RetryBudget:
 
     def on_request(self, now: float) -> None:
         self._requests.append(now)
+        self._expire(now)  # amortised O(1); keeps the window's memory bounded
 
     def try_spend(self, now: float) -> bool:
         """Whether one more retry fits; spends it if so."""

@@ -79,12 +79,15 @@ class Dispatch:
         for backend in _with_retry(candidates):
             if attempts == _MAX_ATTEMPTS:
                 break
+            if attempts and not _another_chance(backend, ctx):
+                continue
             admit = await self._admit(backend)
             if admit is Admit.DENY:
                 continue
-            if attempts and not _another_chance(backend, ctx):
-                continue
             if attempts and not self._spend_retry(backend, failure):
+                if admit is Admit.PROBE and self.breakers is not None:
+                    # Granted but never sent: free the probe slot for the next request.
+                    self.breakers.record(backend.name, Outcome.NEUTRAL, probe=True)
                 break
             attempts += 1
             attempt = _Attempt(backend, probe=admit is Admit.PROBE)

@@ -7,7 +7,7 @@ import pytest
 from serve_app import errors
 from serve_app.errors import ForgeError
 from serve_app.resilience.board import BreakerBoard
-from serve_app.resilience.breaker import BreakerSettings, State
+from serve_app.resilience.breaker import Admit, BreakerSettings, State
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.retry_budget import RetryBudget, RetryBudgetSettings
 from serve_app.stages.dispatch import Dispatch
@@ -144,3 +144,18 @@ async def test_the_client_timeout_reaches_the_backend_as_its_budget():
     ctx.client_timeout_s = 7.0
     await dispatch(ctx)
     assert seen and 6 < seen[0] <= 7
+
+
+async def test_a_probe_granted_to_a_retry_the_budget_refuses_is_handed_back():
+    """Pool fails, fallback's breaker is half-open, no budget left: the fallback's probe was
+    granted but never used, and must not stay out (the next request may probe at once)."""
+    primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, client, clock = rig(primary, fallback, min_retries=0)
+    client.trip("fallback")
+    await client.flush()
+    clock.now = 6  # the fallback's cool-down is over
+    with pytest.raises(ForgeError):
+        await dispatch(make_ctx())  # the pool fails; the retry is refused by the budget
+    await client.flush()
+    assert fallback.calls == []
+    assert await client.admit("fallback") is Admit.PROBE
