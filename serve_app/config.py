@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from serve_app.routing.base import POLICY_NAMES
+
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -169,14 +171,8 @@ class AdmissionConfig(_Strict):
 class RoutingConfig(_Strict):
     """How a pool's replica is chosen for each request (see ``serve_app/routing/``)."""
 
-    policy: Literal[
-        "power_of_two",
-        "round_robin",
-        "least_in_flight",
-        "least_queue",
-        "prefix_affinity",
-        "kv_aware",
-    ] = "power_of_two"  # Serve's own default, run by Forge's router so breakers apply
+    # The registry's names (``routing.base.POLICY_NAMES``): one list, not two to keep in step.
+    policy: Literal[POLICY_NAMES] = "power_of_two"  # Serve's own, run by Forge's router
     options: dict[str, Any] = Field(default_factory=dict)  # the policy's constructor arguments
     # How often replicas report their load and cache state to the routers.
     stats_period_s: Annotated[float, Field(gt=0)] = 1.0

@@ -81,10 +81,6 @@ class PoolBackend:
         ids = self.ledger.replica_ids
         return None if ids is None else len(ids)
 
-    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
-        """The replica a request went to and whether it was that replica's probe (once)."""
-        return self.ledger.take_routed(request_id)
-
     def wake(self) -> None:
         """Wake a pool scaled to zero: one call that waits at the handle makes Serve's
         autoscaler start a replica, while clients are served elsewhere."""

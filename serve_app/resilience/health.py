@@ -59,9 +59,9 @@ class HealthWatch:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
-            await self.probe()
+        while True:  # the first answer is current()'s own probe
             await asyncio.sleep(self._interval)
+            await self.probe()
 
     async def aclose(self) -> None:
         if self._task is not None:

@@ -27,6 +27,8 @@ class PoolLedger:
         self.routed[request_id] = (replica_id, probe)
 
     def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        """Where an attempt went (once); its retry's ``avoid`` note is done with too."""
+        self.avoid.pop(request_id, None)
         return self.routed.pop(request_id, None)
 
 

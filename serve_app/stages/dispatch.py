@@ -181,8 +181,7 @@ class Dispatch:
     @staticmethod
     def _collect_replica(attempt: _Attempt, ctx: RequestContext) -> None:
         if attempt.replica is None and isinstance(attempt.backend, PoolBackend):
-            routed = attempt.backend.take_routed(ctx.request_id)
-            attempt.backend.ledger.avoid.pop(ctx.request_id, None)
+            routed = attempt.backend.ledger.take_routed(ctx.request_id)
             if routed is not None:
                 attempt.replica, attempt.replica_probe = routed
                 ctx.replica = attempt.replica
