@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterable
 
 from serve_app.resilience.breaker import Admit, Breaker, BreakerSettings, Outcome, State
 
-# What a gateway replica reports: (backend, outcome value or "trip", whether it was a probe).
-Report = tuple[str, str, bool]
+# What a gateway replica reports: (backend, outcome value or "trip", whether it was a probe,
+# how many in a row). Successes arrive summed per backend, so the board's work per sync is
+# per backend, not per request.
+Report = tuple[str, str, bool, int]
 # What it gets back per backend: (state, seconds until a probe may try).
 Snapshot = dict[str, tuple[int, float]]
 
@@ -47,13 +49,13 @@ class BreakerBoard:
     async def sync(self, reports: Iterable[Report] = ()) -> Snapshot:
         """Apply a gateway replica's outcomes in the order it saw them; return every state."""
         now = self._clock()
-        for backend, outcome, probe in reports:
+        for backend, outcome, probe, count in reports:
             breaker = self.breaker(backend)
             before = breaker.state
             if outcome == "trip":
                 breaker.trip(now)
             else:
-                breaker.record(Outcome(outcome), now, probe=probe)
+                breaker.record(Outcome(outcome), now, probe=probe, count=count)
             self._touched[backend] = now
             if breaker.state is not before:
                 self._publish(backend, breaker, transition=True)

@@ -88,11 +88,15 @@ class Breaker:
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def record(self, outcome: Outcome, now: float, *, probe: bool = False) -> None:
+    def record(self, outcome: Outcome, now: float, *, probe: bool = False, count: int = 1) -> None:
+        """``count`` outcomes in a row (gateways send successes summed)."""
         if probe:
             self._resolve_probe(outcome, now)
+        elif self.state is State.CLOSED and outcome is Outcome.SUCCESS:
+            self._count(outcome, now, count)
         elif self.state is State.CLOSED:
-            self._count(outcome, now)
+            for _ in range(count):
+                self._count(outcome, now)
         # Open or half-open, a non-probe outcome is stale (started before the breaker opened).
 
     def trip(self, now: float) -> None:
@@ -111,13 +115,13 @@ class Breaker:
         else:
             self.probe_out_until = None  # no verdict: the next request may probe
 
-    def _count(self, outcome: Outcome, now: float) -> None:
+    def _count(self, outcome: Outcome, now: float, successes: int = 1) -> None:
         if outcome is Outcome.NEUTRAL:
             return
         bucket = self._bucket(now)
         if outcome is Outcome.SUCCESS:
             self.consecutive_failures = 0
-            bucket[1] += 1
+            bucket[1] += successes
             return
         self.consecutive_failures += 1
         bucket[2] += 1

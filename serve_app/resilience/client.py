@@ -49,6 +49,8 @@ class BreakerClient:
         self._on_board_error = on_board_error
         self._states: dict[str, tuple[State, float]] = {}  # backend → (state, probe may try at)
         self._pending: list[Report] = []
+        # Plain successes since each backend's last other report: sent as one count, after it.
+        self._successes: dict[str, int] = {}
         self._urgent = asyncio.Event()
         self._asking: set[str] = set()  # probe grants being asked for from this replica
         self._task: asyncio.Task | None = None
@@ -92,15 +94,29 @@ class BreakerClient:
     # -- reports -----------------------------------------------------------------------------
 
     def record(self, backend: str, outcome: Outcome, *, probe: bool = False) -> None:
+        """Queue an outcome. A healthy request costs a counter bump: successes are summed per
+        backend (order kept: they are sent before the backend's next other report), and a
+        neutral outcome that is no probe changes nothing on the board, so it is not sent."""
         self._ensure_running()
-        self._pending.append((backend, outcome.value, probe))
-        if probe or outcome is Outcome.FAILURE:
-            self._urgent.set()
+        if not probe:
+            if outcome is Outcome.SUCCESS:
+                self._successes[backend] = self._successes.get(backend, 0) + 1
+                return
+            if outcome is Outcome.NEUTRAL:
+                return
+        self._report(backend, outcome.value, probe)
+        self._urgent.set()
+
+    def _report(self, backend: str, what: str, probe: bool) -> None:
+        successes = self._successes.pop(backend, 0)
+        if successes:
+            self._pending.append((backend, Outcome.SUCCESS.value, False, successes))
+        self._pending.append((backend, what, probe, 1))
 
     def trip(self, backend: str) -> None:
         """Open a breaker now (a pool found at zero replicas), fleet-wide."""
         self._ensure_running()
-        self._pending.append((backend, "trip", False))
+        self._report(backend, "trip", False)
         self._urgent.set()
         # Locally at once, so the very next request routes around it too.
         self._states.setdefault(backend, (State.OPEN, self._clock() + 1.0))
@@ -110,6 +126,8 @@ class BreakerClient:
         if self._call is None:
             return
         reports, self._pending = self._pending, []
+        reports += [(b, Outcome.SUCCESS.value, False, n) for b, n in self._successes.items()]
+        self._successes = {}
         try:
             snapshot = await asyncio.wait_for(self._call("sync", reports), _BOARD_TIMEOUT_S)
         except Exception as exc:

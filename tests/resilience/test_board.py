@@ -114,3 +114,36 @@ async def test_the_sync_loop_pushes_failures_at_once():
             break
     assert client.state("primary") is State.OPEN  # long before the 60 s interval
     await client.aclose()
+
+
+async def test_a_healthy_path_sends_one_summed_report_per_backend_in_order():
+    clock = Clock()
+    board = BreakerBoard(S, clock)
+    sent: list = []
+
+    async def call(method: str, *args):
+        if method == "sync":
+            sent.append(list(args[0]))
+        return await getattr(board, method)(*args)
+
+    client = BreakerClient(call, sync_interval_s=60, clock=clock)
+    client.record("primary", Outcome.FAILURE)
+    client.record("primary", Outcome.FAILURE)
+    for _ in range(500):
+        client.record("primary", Outcome.SUCCESS)
+        client.record("primary/r1", Outcome.SUCCESS)
+        client.record("primary", Outcome.NEUTRAL)  # no verdict, nothing to send
+    client.record("primary", Outcome.FAILURE)
+    await client.flush()
+    assert sent == [
+        [
+            ("primary", "failure", False, 1),
+            ("primary", "failure", False, 1),
+            ("primary", "success", False, 500),  # before the failure that followed them
+            ("primary", "failure", False, 1),
+            ("primary/r1", "success", False, 500),
+        ]
+    ]
+    # The successes reset the streak: 1 failure in a row, not 3.
+    assert board.breaker("primary").state is State.CLOSED
+    assert board.breaker("primary").consecutive_failures == 1
