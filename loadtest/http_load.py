@@ -179,3 +179,39 @@ async def closed_loop(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     result.wall_s = time.perf_counter() - began
     return result
+
+
+def main() -> None:
+    """``python -m loadtest.http_load URL --concurrency 16 --duration 10 [--api-key K]``: one
+    closed-loop run of streaming chat (16 tokens) against a Forge started by
+    ``python -m loadtest.serve_forge``; prints the summary as JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("url", help="e.g. http://127.0.0.1:30000/v1/chat/completions")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--api-key", default="sk-bench-local-only")  # serve_forge's bench key
+    parser.add_argument("--model", default="forge-sim")
+    args = parser.parse_args()
+    body = {
+        "model": args.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    result = asyncio.run(
+        closed_loop(
+            args.url,
+            body,
+            concurrency=args.concurrency,
+            duration_s=args.duration,
+            api_key=args.api_key,
+        )
+    )
+    print(json.dumps(result.summary()))
+
+
+if __name__ == "__main__":
+    main()
