@@ -39,19 +39,23 @@ def _start_ray_and_proxy() -> int:
     return port
 
 
-def _wait_ready(proxy: str, *, every_backend: bool = False) -> None:
-    deadline = time.monotonic() + 60
+def wait_ready(url: str, ready=lambda backends: True, timeout_s: float = 60.0) -> None:
+    """Until ``/readyz`` is 200 and ``ready(its backends map)`` holds. Forge is ready as soon
+    as the fallback is; drills and tests usually need their pools up too."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ready = httpx.get(f"{proxy}/readyz", timeout=2)
-            if ready.status_code == 200 and (
-                not every_backend or all(ready.json()["backends"].values())
-            ):
+            answer = httpx.get(f"{url}/readyz", timeout=2)
+            if answer.status_code == 200 and ready(answer.json()["backends"]):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError("Forge did not become ready")
+    raise RuntimeError(f"Forge at {url} did not become ready in {timeout_s:g} s")
+
+
+def every_backend(backends: dict[str, bool]) -> bool:
+    return all(backends.values())
 
 
 def start_forge(args: dict, *, reuse: bool = False) -> str:
@@ -70,7 +74,7 @@ def start_forge(args: dict, *, reuse: bool = False) -> str:
     if not (reuse and ray.is_initialized()):
         _port = _start_ray_and_proxy()
     serve.run(build_app(args), name=APP, route_prefix="/")
-    _wait_ready(f"http://127.0.0.1:{_port}")
+    wait_ready(f"http://127.0.0.1:{_port}")
     return replica_admin.direct_ingress_url(APP) or f"http://127.0.0.1:{_port}"
 
 
@@ -95,5 +99,5 @@ def start_forge_with_mock(make_args, mock_engine: dict | None = None) -> str:
     serve.run(mock, name="mock-fallback", route_prefix="/mock")
     serve.run(build_app(make_args(_port)), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{_port}"
-    _wait_ready(url, every_backend=True)
+    wait_ready(url, every_backend)
     return url

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from loadtest import fairness
+from loadtest import fairness, inprocess
 
 APP = "forge"
 ALPHA_KEY = "sk-test-alpha"
@@ -254,16 +254,8 @@ def forge_url(redis_server, metrics_port):
     redis_url = redis_server.url if redis_server else None
     serve.run(build_app(forge_args(port, redis_url)), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ready = httpx.get(f"{url}/readyz", timeout=2)
-            backends = ready.json()["backends"] if ready.status_code == 200 else {}
-            if backends and all(up for name, up in backends.items() if name != COLD_POOL):
-                break  # every pool up (but the one at zero), not just the fallback
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    # Every pool up (but the one at zero), not just the fallback.
+    inprocess.wait_ready(url, lambda up: all(v for name, v in up.items() if name != COLD_POOL))
     yield url
     # No serve.shutdown(): direct-ingress replicas drain for 30 s; the session is over anyway.
     ray.shutdown()

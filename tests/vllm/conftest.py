@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from loadtest import inprocess
 from serve_app.tools.tiny_model import vllm_engine_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a model hub
@@ -95,15 +95,8 @@ def forge_url(tiny_model, metrics_port):
     }
     serve.run(build_app(args), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            ready = httpx.get(f"{url}/readyz", timeout=2)
-            if ready.status_code == 200 and ready.json()["backends"].get(POOL):
-                break  # vLLM itself is up, not just the fallback
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    # vLLM itself up, not just the fallback.
+    inprocess.wait_ready(url, lambda up: up.get(POOL), timeout_s=120)
     yield url
     # No serve.shutdown(): it waits out the replicas' drain. vLLM's engine-core process
     # exits with the replica actor that ray.shutdown() ends.
