@@ -21,12 +21,6 @@ BETA_KEY = "sk-test-beta"
 FALLBACK_KEY = "sk-test-upstream-secret"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -172,7 +166,7 @@ class RedisServer:
     """A private redis-server the tests may stop and start (the machine's own is shared)."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = inprocess.free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
@@ -223,7 +217,7 @@ def redis_server():
 
 @pytest.fixture(scope="session")
 def metrics_port() -> int:
-    return _free_port()
+    return inprocess.free_port()
 
 
 @pytest.fixture(scope="session")
@@ -244,7 +238,7 @@ def forge_url(redis_server, metrics_port):
         _system_config={"metrics_report_interval_ms": 500},
         runtime_env={"env_vars": {"FORGE_TEST_FALLBACK_KEY": FALLBACK_KEY}},
     )
-    port = _free_port()
+    port = inprocess.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(
         build_mock({"model": "mock-gemini", "api_key_env": "FORGE_TEST_FALLBACK_KEY"}),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from pathlib import Path
 
 import httpx
@@ -38,15 +37,9 @@ def tiny_model(tmp_path_factory) -> str:
     return str(tiny.build(tmp_path_factory.mktemp("tiny-model")))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def metrics_port() -> int:
-    return _free_port()
+    return inprocess.free_port()
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +59,7 @@ def forge_url(tiny_model, metrics_port):
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": 500},
     )
-    port = _free_port()
+    port = inprocess.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # The fallback the killed-replica test fails over to.
     serve.run(build_mock({"model": "mock-gemini"}), name="mock-fallback", route_prefix="/mock")
