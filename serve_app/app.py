@@ -14,12 +14,12 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.admission import SchedulerDeployment
 from serve_app.config import PoolConfig, load_config
 from serve_app.gateway import GatewayIngress
 from serve_app.replica import Replica
 from serve_app.resilience.board import BreakerBoardDeployment
 from serve_app.resilience.settings import breaker_settings
+from serve_app.scheduler_deployment import SchedulerDeployment
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from serve_app.block_hashes import prefix_block_hashes
 from serve_app.engines.base import EngineError
-from serve_app.routing.base import prefix_block_hashes
 from serve_app.tokenizer import OUTPUT_WORDS, token_id
 
 FinishReason = Literal["stop", "length"]

@@ -9,7 +9,6 @@ from serve_app.routing.base import (
     RouteRequest,
     RoutingPolicy,
     build_policy,
-    prefix_block_hashes,
     replica_load,
 )
 from serve_app.routing.kv_aware import KvAwarePolicy, matched_prefix_blocks
@@ -31,6 +30,5 @@ __all__ = [
     "RoutingPolicy",
     "build_policy",
     "matched_prefix_blocks",
-    "prefix_block_hashes",
     "replica_load",
 ]

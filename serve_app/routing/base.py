@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import sys
 from abc import ABC, abstractmethod
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -75,30 +73,6 @@ class RoutingPolicy(ABC):
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:  # noqa: B027
         """The deployment's replica set changed; policies with per-set state may rebuild it."""
-
-
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Parent-chained hashes of the prompt's full blocks; the partial last block is not hashed.
-
-    Block ``i``'s hash commits to every token up to the end of block ``i`` (each digest includes
-    its parent's), as vLLM's and the simulated engine's prefix caches do. It is a blake2b digest
-    of the token ids as little-endian int64, so it is the same in every process: the gateway and
-    the replicas must agree on it, and builtin ``hash`` does not (``hash(None)``, which seeds the
-    chain in ``serve_app.engines.simulated_llm._block_hashes``, is an address on Python < 3.12).
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    ids = array("q", token_ids)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    raw = ids.tobytes()
-    step = block_size * ids.itemsize
-    hashes: list[int] = []
-    parent = b""
-    for start in range(0, len(raw) - step + 1, step):
-        parent = hashlib.blake2b(parent + raw[start : start + step], digest_size=8).digest()
-        hashes.append(int.from_bytes(parent, "little"))
-    return tuple(hashes)
 
 
 def stable_hash64(data: bytes) -> int:

@@ -15,6 +15,7 @@ from ray.serve.metrics import Counter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import tokenizer
+from serve_app.block_hashes import prefix_block_hashes
 from serve_app.protocol import prompt_text
 from serve_app.resilience import client as breaker_client
 from serve_app.resilience.breaker import Admit, State
@@ -23,7 +24,6 @@ from serve_app.routing.base import (
     RouteRequest,
     RoutingPolicy,
     build_policy,
-    prefix_block_hashes,
 )
 from serve_app.routing.ledger import ledger, replica_backend
 
