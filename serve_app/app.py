@@ -15,7 +15,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import PoolConfig, load_config
-from serve_app.gateway import GatewayIngress
+from serve_app.ingress import GatewayIngress
 from serve_app.replica import Replica
 from serve_app.resilience.board import BreakerBoardDeployment
 from serve_app.resilience.settings import breaker_settings

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Iterable, Mapping, Sequence
 
 from serve_app import errors
-from serve_app.config import TenantConfig, is_key_hash
+from serve_app.config import ForgeConfig, TenantConfig, is_key_hash
 
 KEY_PREFIX = "sk-forge-"
 _NO_MATCH = "0" * 64
@@ -36,6 +36,14 @@ class KeyRing:
         for tenant in tenants:
             for h in (*tenant.key_hashes, *extra_hashes.get(tenant.name, ())):
                 self._by_hash[h] = (h, tenant)
+
+    @classmethod
+    def from_config(cls, config: ForgeConfig) -> KeyRing:
+        """The config's tenants with their hashes, plus those of the mounted ``key_hashes_file``."""
+        extra = {}
+        if config.key_hashes_file:
+            extra = load_key_hashes_file(config.key_hashes_file, [t.name for t in config.tenants])
+        return cls(config.tenants, extra)
 
     def tenant_for(self, authorization: str | None) -> TenantConfig:
         """The tenant for an ``Authorization`` header value; 401 on anything else."""

@@ -8,6 +8,7 @@ endpoints come from the environment, and only by the variable names written here
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -275,20 +276,39 @@ class FallbackConfig(_Strict):
 
 
 class StoreConfig(_Strict):
-    """Where quotas (and later the cache and metering) live. No Redis: the embedded store."""
+    """Where quotas live: Redis when configured, else the embedded (one-process) store."""
 
     # The Redis endpoint, directly or (preferred, it may hold a password) by env variable name.
+    # Naming a variable is configuring Redis: if it is unset at start-up, start-up fails; the
+    # embedded store is never a silent substitute (it would give each gateway its own budget).
     redis_url: str | None = None
     redis_url_env: str | None = None
     key_prefix: str = "forge:"
     # Per call: the store is on the request path and fails open, so slow means gone.
     timeout_s: Annotated[float, Field(gt=0)] = 0.05
+    # When a store that stops answering is skipped (each call failing at once, served
+    # unmetered) and how soon one call probes it again (``store/guarded.py``).
+    breaker: BreakerConfig = BreakerConfig(failure_threshold=3, cooldown_s=1.0, probe_timeout_s=5.0)
 
-    def resolved_url(self) -> str | None:
+    @property
+    def shared(self) -> bool:
+        """Whether a shared store (Redis) is configured, resolvable or not."""
+        return bool(self.redis_url or self.redis_url_env)
+
+    def resolved_url(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The Redis URL, or None for the embedded store; ``ConfigError`` when Redis is
+        configured by a variable that is not set (and no ``redis_url`` stands in for it)."""
         import os
 
-        if self.redis_url_env and os.environ.get(self.redis_url_env):
-            return os.environ[self.redis_url_env]
+        environ = os.environ if environ is None else environ
+        if self.redis_url_env and environ.get(self.redis_url_env):
+            return environ[self.redis_url_env]
+        if self.redis_url_env and not self.redis_url:
+            raise ConfigError(
+                f"store.redis_url_env names {self.redis_url_env}, which is not set in the "
+                "gateway's environment: set it to the Redis URL (redis://host:6379/0), or remove "
+                "store.redis_url_env to use the embedded store (one gateway replica only)"
+            )
         return self.redis_url
 
 
@@ -324,7 +344,7 @@ class ForgeConfig(_Strict):
         many_gateways = deployment.get("num_replicas", 1) not in (1, None) or bool(
             deployment.get("autoscaling_config")
         )
-        if many_gateways and not (self.store.redis_url or self.store.redis_url_env):
+        if many_gateways and not self.store.shared:
             raise ValueError(
                 "store: more than one gateway replica needs a shared store (store.redis_url or "
                 "store.redis_url_env); the embedded store would give each replica its own budget"

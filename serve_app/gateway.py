@@ -1,23 +1,23 @@
-"""The ingress deployment: the OpenAI HTTP surface and the one place the pipeline is listed.
+"""The gateway: the OpenAI HTTP surface over the pipeline, given its collaborators.
 
-Request path, in order (see DESIGN.md): request id → auth → quota → cache → fair admission →
-dispatch → metering. Telemetry sits right after the request id so that every outcome, a 401
-included, is logged and counted once; parsing runs after auth so anonymous traffic costs only
-a hash.
+``Gateway`` builds nothing that talks to the outside world: the store, the key ring, the
+backends, the schedulers' clients and the breaker client are handed in (``serve_app/ingress.py``
+wires Serve handles into them; ``serve_app/local.py`` wires in-process ones), so the very same
+object is served by Serve, by uvicorn, or by httpx's ``ASGITransport`` in a test without Ray.
+The pipeline itself is listed in ``serve_app/stack.py``.
 
-The HTTP surface is a plain Starlette app built from a ``Gateway`` instance: Serve serves it
-through ``__serve_build_asgi_app__``, and anything else (uvicorn in a profiler, a test) can
-serve the very same object.
+Background work (the fallback's health probe, the breaker sync) starts with the app's lifespan,
+not with the first request, and stops with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Mapping
 
 import orjson
-from ray import serve
-from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -25,28 +25,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from serve_app import errors
-from serve_app.auth import KeyRing, load_key_hashes_file
-from serve_app.backends.base import Backend, Timeouts
-from serve_app.backends.fallback import FallbackBackend
-from serve_app.backends.pool import PoolBackend
+from serve_app.auth import KeyRing
+from serve_app.backends.base import Backend
 from serve_app.config import ForgeConfig
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext, compose
-from serve_app.resilience import client as breaker_client
+from serve_app.pipeline import RequestContext
 from serve_app.resilience.breaker import State
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.health import HealthWatch
-from serve_app.resilience.retry_budget import RetryBudget
-from serve_app.resilience.settings import retry_budget_settings
-from serve_app.routing.ledger import ledger
-from serve_app.stages.admission import AdmissionStage
-from serve_app.stages.authenticate import AuthStage
-from serve_app.stages.dispatch import Dispatch
-from serve_app.stages.parse import ParseStage
-from serve_app.stages.quota import QuotaStage
-from serve_app.stages.request_id import RequestIdStage
-from serve_app.stages.telemetry import TelemetryStage
-from serve_app.store import build_store
+from serve_app.scheduler_client import SchedulerClient
+from serve_app.stack import build_pipeline, model_routes
+from serve_app.store import Store
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,73 +45,68 @@ _JSON = "application/json"
 class Gateway:
     def __init__(
         self,
-        config: dict,
-        pools: dict[str, DeploymentHandle],
-        schedulers: dict[str, DeploymentHandle] | None = None,
-        board: DeploymentHandle | None = None,
+        config: ForgeConfig,
+        *,
+        keyring: KeyRing,
+        store: Store,
+        metrics: ForgeMetrics,
+        backends: Mapping[str, Backend],
+        schedulers: Mapping[str, SchedulerClient],
+        breakers: BreakerClient,
     ) -> None:
-        self.config = ForgeConfig.model_validate(config)
-        metrics = ForgeMetrics()
-        resilience = self.config.resilience
-        self.breakers = BreakerClient(
-            _board_call(board) if board is not None else None,
-            resilience.sync_interval_s,
-            on_board_error=lambda op: metrics.board_errors.inc(tags={"op": op}),
-        )
-        breaker_client.install(self.breakers)  # the pools' routers read it in this process
-        self.backends = _backends(self.config, pools)
+        self.config = config
+        self.store = store
+        self.backends = dict(backends)  # pool name (or "fallback") → backend
+        self.breakers = breakers
         fallback = self.backends.get("fallback")
         self.fallback_health = (
             HealthWatch(
-                "fallback", fallback.ready, resilience.fallback_probe_interval_s, self.breakers
+                "fallback", fallback.ready, config.resilience.fallback_probe_interval_s, breakers
             )
             if fallback is not None
             else None
         )
-        routes: dict[str, list[Backend]] = {}
-        for pool in self.config.pools:
-            routes[pool.model] = [self.backends[pool.name]]
-            if fallback is not None and pool.fallback:
-                routes[pool.model].append(fallback)
-        if fallback is not None:
-            routes.setdefault(self.config.fallback.model, [fallback])
+        routes = model_routes(config, self.backends)
         self.models = list(routes)
-        keyring = _keyring(self.config)
-        store_config = self.config.store
-        self.store = build_store(
-            store_config.resolved_url(),
-            key_prefix=store_config.key_prefix,
-            timeout_s=store_config.timeout_s,
-        )
-        default_max_tokens = {p.model: p.default_max_tokens for p in self.config.pools}
-        admitted = [p for p in self.config.pools if p.name in (schedulers or {})]
-        admission = AdmissionStage(
-            {p.model: schedulers[p.name] for p in admitted},
-            {p.model: p.admission.deadline_s for p in admitted},
-            metrics,
+        self.pipeline = build_pipeline(
+            config,
+            keyring=keyring,
+            store=store,
+            metrics=metrics,
+            routes=routes,
+            schedulers=schedulers,
+            breakers=breakers,
+            list_models=self._list_models,
         )
 
-        # The request path, in order. The response cache (a later stage) slots in between quota
-        # and admission, so a hit costs no slot.
-        self.serve_inference: Handler = compose(
-            [
-                RequestIdStage(),
-                TelemetryStage(metrics),
-                AuthStage(keyring),
-                ParseStage(self.config.gateway.max_body_bytes),
-                QuotaStage(self.store, metrics, self.config.tenants, default_max_tokens),
-                admission,
-            ],
-            Dispatch(
-                routes,
-                self.breakers,
-                RetryBudget(retry_budget_settings(resilience.retry_budget)),
-                metrics,
-            ),
-        )
-        self.serve_listing: Handler = compose(
-            [RequestIdStage(), TelemetryStage(metrics), AuthStage(keyring)], self._list_models
-        )
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background work: the fallback is probed from now on, idle or not."""
+        if self.fallback_health is not None:
+            self.fallback_health.start()
+
+    async def aclose(self) -> None:
+        if self.fallback_health is not None:
+            await self.fallback_health.aclose()
+        await self.breakers.aclose()
+        for backend in self.backends.values():
+            close = getattr(backend, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette | None = None) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.aclose()
+
+    # -- HTTP --------------------------------------------------------------------------------
 
     def asgi_app(self) -> Starlette:
         return Starlette(
@@ -134,16 +118,17 @@ class Gateway:
                 Route("/readyz", self.readyz, methods=["GET"]),
             ],
             exception_handlers={HTTPException: _http_error},
+            lifespan=self.lifespan,
         )
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self.serve_inference(RequestContext(request, "chat"))
+        return await self.pipeline.inference(RequestContext(request, "chat"))
 
     async def completions(self, request: Request) -> Response:
-        return await self.serve_inference(RequestContext(request, "completion"))
+        return await self.pipeline.inference(RequestContext(request, "completion"))
 
     async def list_models(self, request: Request) -> Response:
-        return await self.serve_listing(RequestContext(request, "models"))
+        return await self.pipeline.listing(RequestContext(request, "models"))
 
     async def healthz(self, request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=_JSON)
@@ -172,12 +157,6 @@ class Gateway:
         return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)
 
 
-@serve.ingress()
-class GatewayIngress(Gateway):
-    def __serve_build_asgi_app__(self) -> Starlette:
-        return self.asgi_app()
-
-
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 405:
         return errors.error_response(errors.method_not_allowed(request.method, request.url.path))
@@ -185,37 +164,3 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         return errors.error_response(errors.not_found(request.url.path))
     err = errors.ForgeError(exc.status_code, str(exc.detail), type="invalid_request_error")
     return errors.error_response(err)
-
-
-def _keyring(config: ForgeConfig) -> KeyRing:
-    extra = {}
-    if config.key_hashes_file:
-        extra = load_key_hashes_file(config.key_hashes_file, [t.name for t in config.tenants])
-    return KeyRing(config.tenants, extra)
-
-
-def _backends(config: ForgeConfig, pools: dict[str, DeploymentHandle]) -> dict[str, Backend]:
-    backends: dict[str, Backend] = {
-        p.name: PoolBackend(
-            p.name,
-            pools[p.name],
-            Timeouts(
-                p.connect_timeout_s,
-                p.first_token_timeout_s,
-                p.idle_timeout_s,
-                p.request_timeout_s,
-            ),
-            ledger(p.name),
-        )
-        for p in config.pools
-    }
-    if config.fallback is not None:
-        backends["fallback"] = FallbackBackend(config.fallback)
-    return backends
-
-
-def _board_call(board: DeploymentHandle):
-    async def call(method: str, *args):
-        return await getattr(board, method).remote(*args)
-
-    return call

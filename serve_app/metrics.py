@@ -61,8 +61,17 @@ class ForgeMetrics:
         )
         self.store_errors = Counter(
             "forge_store_errors_total",
-            description="Store calls that failed; the request was served unmetered (fail open).",
+            description="Store calls that failed or were skipped (store known down), by op.",
             tag_keys=("op",),
+        )
+        self.unmetered = Counter(
+            "forge_unmetered_total",
+            description="Requests served without a budget check because the store failed.",
+            tag_keys=("tenant",),
+        )
+        self.store_state = Gauge(
+            "forge_store_breaker_state",
+            description="The store's breaker in this gateway: 0 closed, 1 probing, 2 skipped.",
         )
 
         self.admitted = Counter(

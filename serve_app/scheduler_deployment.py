@@ -1,4 +1,5 @@
-"""The scheduler deployment: one ``FairScheduler`` per pool, shared by every gateway replica.
+"""The scheduler deployment: one ``FairScheduler`` per pool, shared by every gateway replica,
+and ``ServeSchedulerClient``, the gateway's typed way to reach it.
 
 A Serve deployment with exactly one replica rather than a detached actor: it lives and dies
 with the application (a redeploy replaces it, Serve restarts it if its health check fails), it
@@ -10,11 +11,13 @@ every lease is gone and the pool starts with all slots free, which errs towards 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
+from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Gauge
 
-from serve_app import scheduler as fair
 from serve_app.config import AdmissionConfig, TenantConfig
+from serve_app.scheduler_client import Lease, LocalSchedulerClient, fair_scheduler
 
 _EXPORT_EVERY_S = 1.0
 
@@ -23,16 +26,10 @@ class SchedulerDeployment:
     def __init__(self, pool: str, admission: dict, tenants: list[dict]) -> None:
         self.pool = pool
         config = AdmissionConfig.model_validate(admission)
-        self.config = config
-        self.scheduler = fair.FairScheduler(
-            config.max_inflight,
-            default_tenant=fair.TenantShare(queue_cap=config.queue_cap),
-            tenants={t.name: _share(t, config) for t in map(TenantConfig.model_validate, tenants)},
-            lease_ttl_s=config.lease_ttl_s,
-            max_queued_total=config.max_queued_total,
-            batch_every=config.batch_every,
-            max_tenant_share=config.max_tenant_share,
+        self.local = LocalSchedulerClient(
+            fair_scheduler(config, map(TenantConfig.model_validate, tenants)), config.deadline_s
         )
+        self.scheduler = self.local.scheduler
         self._queue_depth = Gauge(
             "forge_queue_depth",
             description="Requests waiting for a slot, by pool and tenant.",
@@ -63,24 +60,18 @@ class SchedulerDeployment:
             await asyncio.sleep(_EXPORT_EVERY_S)
 
     async def acquire(
-        self, tenant: str, tier: str | None, released: list[str] = ()
+        self, tenant: str, tier: str | None, released: Sequence[str] = ()
     ) -> tuple[str, float]:
-        """A lease id and its TTL, or ``scheduler.Shed`` (raised through the handle).
-
-        ``released``: leases the caller freed since its last call, piggybacked so that a busy
-        gateway pays one scheduler round trip per request, not two. They are released first,
-        so their slots go to whoever waited longest, as a separate release call would.
-        """
+        """A lease id and its TTL, or ``scheduler.Shed`` (raised through the handle)."""
         self._ensure_housekeeping()
-        self.release(released)
-        grant = await self.scheduler.acquire(tenant, tier=tier, deadline_s=self.config.deadline_s)
-        return grant.lease_id, grant.expires_at - grant.granted_at
+        lease = await self.local.acquire(tenant, tier, released)
+        return lease.lease_id, lease.ttl_s
 
     def release(self, lease_ids: list[str]) -> int:
-        return sum(self.scheduler.release(lease_id) for lease_id in lease_ids)
+        return self.local.release(lease_ids)
 
-    def renew(self, lease_id: str) -> bool:
-        return self.scheduler.renew(lease_id) is not None
+    async def renew(self, lease_id: str) -> bool:
+        return await self.local.renew(lease_id)
 
     def snapshot(self) -> dict:
         snap = self.scheduler.snapshot()
@@ -95,6 +86,18 @@ class SchedulerDeployment:
         }
 
 
-def _share(tenant: TenantConfig, config: AdmissionConfig) -> fair.TenantShare:
-    queue_cap = tenant.queue_cap if tenant.queue_cap is not None else config.queue_cap
-    return fair.TenantShare(weight=tenant.weight, queue_cap=queue_cap, tier=tenant.tier)
+class ServeSchedulerClient:
+    """``SchedulerClient`` over the pool's scheduler deployment (one round trip per call)."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+
+    async def acquire(self, tenant: str, tier: str | None, released: Sequence[str] = ()) -> Lease:
+        lease_id, ttl_s = await self._handle.acquire.remote(tenant, tier, list(released))
+        return Lease(lease_id, ttl_s)
+
+    def release(self, lease_ids: Sequence[str]) -> None:
+        self._handle.release.remote(list(lease_ids))
+
+    async def renew(self, lease_id: str) -> bool:
+        return await self._handle.renew.remote(lease_id)

@@ -10,6 +10,7 @@ import yaml
 
 from serve_app.auth import KeyRing, hash_key
 from serve_app.config import ConfigError, ForgeConfig, load_config
+from serve_app.store import GuardedStore, MemoryStore, build_store
 
 LOCAL_YAML = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 HASH_A = hash_key("key-a")
@@ -126,6 +127,36 @@ def test_store_url_from_the_environment_wins(monkeypatch):
     args["store"] = {"redis_url": "redis://config:6379", "redis_url_env": "FORGE_TEST_REDIS"}
     monkeypatch.setenv("FORGE_TEST_REDIS", "redis://env:6379")
     assert load_config(args).store.resolved_url() == "redis://env:6379"
+
+
+GKE_YAML = LOCAL_YAML.parent / "gke.yaml"
+
+
+def test_a_store_named_by_an_unset_variable_stops_start_up(monkeypatch):
+    """Bug: an unset ``redis_url_env`` silently gave each gateway replica its own embedded
+    store, so configs/gke.yaml's two gateways each enforced the whole budget."""
+    monkeypatch.delenv("FORGE_REDIS_URL", raising=False)
+    with GKE_YAML.open() as f:
+        args = yaml.safe_load(f)["applications"][0]["args"]
+    args["key_hashes_file"] = None  # the mounted secret is not here; the store is the point
+    args["tenants"][0]["key_hashes"] = [HASH_A]
+    config = load_config(args)
+    with pytest.raises(ConfigError, match="FORGE_REDIS_URL, which is not set"):
+        build_store(config.store)
+    monkeypatch.setenv("FORGE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    assert isinstance(build_store(config.store), GuardedStore)
+
+
+def test_the_embedded_store_only_when_no_store_is_configured(monkeypatch):
+    monkeypatch.delenv("FORGE_TEST_REDIS", raising=False)
+    assert isinstance(build_store(load_config(minimal()).store), MemoryStore)
+    args = minimal()
+    args["store"] = {"redis_url_env": "FORGE_TEST_REDIS"}
+    with pytest.raises(ConfigError, match="FORGE_TEST_REDIS"):
+        load_config(args).store.resolved_url()
+    # Two gateways on a store named by a variable pass validation; start-up resolves it.
+    args["gateway"] = {"deployment": {"num_replicas": 2}}
+    assert load_config(args).store.shared
 
 
 def test_limits_are_validated():

@@ -51,8 +51,30 @@ async def paced(source: AsyncIterator, first_s: float, idle_s: float, deadline: 
         wait, what = idle_s, "keep answering"
 
 
+class PoolControl(Protocol):
+    """What dispatch may ask of a backend that is a pool of replicas (not of an external URL)."""
+
+    def replica_count(self) -> int | None:
+        """Replicas that can take a request now; None while unknown (not yet heard of)."""
+        ...
+
+    def wake(self) -> None:
+        """Start a pool scaled to zero, in the background."""
+        ...
+
+    def avoid(self, request_id: str, replica_id: str) -> None:
+        """Route this request's next attempt to any replica but ``replica_id``."""
+        ...
+
+    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        """The replica the request's attempt went to and whether it was that replica's probe
+        (once; None if it was never routed)."""
+        ...
+
+
 class Backend(Protocol):
     name: str  # the ``backend`` label in metrics, logs and ``x-forge-backend``
+    pool: PoolControl | None  # a pool of replicas, or None for an external backend
 
     def stream(
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None

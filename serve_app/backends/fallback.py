@@ -24,6 +24,7 @@ _PATHS = {"chat": "chat/completions", "completion": "completions"}
 
 class FallbackBackend:
     name = "fallback"
+    pool = None  # an external endpoint: no replicas to count, wake or avoid
 
     def __init__(
         self,

@@ -1,4 +1,8 @@
-"""A primary pool: a replica deployment reached through a Serve ``DeploymentHandle``."""
+"""A primary pool: a replica deployment reached through a Serve ``DeploymentHandle``.
+
+Its ``PoolControl`` answers come from the pool's bridge (``serve_app/bridge.py``), which the
+pool's request router, running in this same process, keeps current.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,9 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import errors
 from serve_app.backends.base import Timeouts, paced
+from serve_app.bridge import PoolBridge
+from serve_app.config import PoolConfig
 from serve_app.engines.base import EngineError, Kind
-from serve_app.routing.ledger import PoolLedger
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,24 +66,36 @@ async def _assigned(response) -> None:
         await fetch()
 
 
+def pool_timeouts(pool: PoolConfig) -> Timeouts:
+    return Timeouts(
+        pool.connect_timeout_s,
+        pool.first_token_timeout_s,
+        pool.idle_timeout_s,
+        pool.request_timeout_s,
+    )
+
+
 class PoolBackend:
     def __init__(
         self,
         name: str,
         handle: DeploymentHandle,
         timeouts: Timeouts,
-        ledger: PoolLedger | None = None,
+        bridge: PoolBridge | None = None,
     ) -> None:
         self.name = name
         self.timeouts = timeouts
-        self.ledger = ledger or PoolLedger()
+        self.bridge = bridge or PoolBridge()
+        self.pool = self
         self._handle = handle
         self._stream = handle.options(stream=True)  # also starts the router's replica updates
         self._waking: asyncio.Task | None = None
 
+    # -- PoolControl -------------------------------------------------------------------------
+
     def replica_count(self) -> int | None:
         """Replicas Serve can route to now; None until the router has heard from Serve."""
-        ids = self.ledger.replica_ids
+        ids = self.bridge.replica_ids
         return None if ids is None else len(ids)
 
     def wake(self) -> None:
@@ -86,6 +103,12 @@ class PoolBackend:
         autoscaler start a replica, while clients are served elsewhere."""
         if self._waking is None or self._waking.done():
             self._waking = asyncio.get_running_loop().create_task(self._warm_up())
+
+    def avoid(self, request_id: str, replica_id: str) -> None:
+        self.bridge.avoid[request_id] = replica_id
+
+    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        return self.bridge.take_routed(request_id)
 
     async def _warm_up(self) -> None:
         try:

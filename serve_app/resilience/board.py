@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from serve_app.resilience.breaker import Admit, Breaker, BreakerSettings, Outcome, State
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 # What a gateway replica reports: (backend, outcome value or "trip", whether it was a probe,
 # how many in a row). Successes arrive summed per backend, so the board's work per sync is
@@ -20,6 +24,20 @@ from serve_app.resilience.breaker import Admit, Breaker, BreakerSettings, Outcom
 Report = tuple[str, str, bool, int]
 # What it gets back per backend: (state, seconds until a probe may try).
 Snapshot = dict[str, tuple[int, float]]
+
+
+class BoardPort(Protocol):
+    """What a gateway replica's ``BreakerClient`` asks of the board. ``BreakerBoard`` is the
+    in-process implementation; ``ServeBoard`` reaches the one board deployment by handle."""
+
+    async def sync(self, reports: Iterable[Report]) -> Snapshot:
+        """Apply outcomes in order; every non-closed state back."""
+        ...
+
+    async def admit(self, backend: str) -> tuple[str, Snapshot]:
+        """The probe decision (an ``Admit`` value) for a backend past its cool-down."""
+        ...
+
 
 _FORGET_AFTER_S = 600.0  # a replica's breaker nobody reported on for this long is gone
 
@@ -153,3 +171,16 @@ class BreakerBoardDeployment(BreakerBoard):
 
     def __init__(self, settings: dict) -> None:
         super().__init__(settings, metrics=BoardMetrics())
+
+
+class ServeBoard:
+    """``BoardPort`` over the ``breaker-board`` deployment's handle."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+
+    async def sync(self, reports: Iterable[Report]) -> Snapshot:
+        return await self._handle.sync.remote(list(reports))
+
+    async def admit(self, backend: str) -> tuple[str, Snapshot]:
+        return await self._handle.admit.remote(backend)

@@ -21,16 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
-from serve_app.resilience.board import Report, Snapshot
+from serve_app.resilience.board import BoardPort, Report, Snapshot
 from serve_app.resilience.breaker import Admit, Outcome, State
 
 logger = logging.getLogger("ray.serve")
-
-# A call to the board: ("sync", reports) or ("admit", backend) → its answer.
-BoardCall = Callable[..., Awaitable[Any]]
 
 _BOARD_TIMEOUT_S = 2.0
 
@@ -38,12 +34,12 @@ _BOARD_TIMEOUT_S = 2.0
 class BreakerClient:
     def __init__(
         self,
-        call: BoardCall | None,
+        board: BoardPort | None,
         sync_interval_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         on_board_error: Callable[[str], None] | None = None,
     ) -> None:
-        self._call = call
+        self._board = board
         self._interval = sync_interval_s
         self._clock = clock
         self._on_board_error = on_board_error
@@ -76,12 +72,12 @@ class BreakerClient:
         entry = self._states.get(backend)
         if entry is None:
             return Admit.PASS
-        if self._clock() < entry[1] or backend in self._asking or self._call is None:
+        if self._clock() < entry[1] or backend in self._asking or self._board is None:
             return Admit.DENY
         self._asking.add(backend)
         try:
             decision, snapshot = await asyncio.wait_for(
-                self._call("admit", backend), _BOARD_TIMEOUT_S
+                self._board.admit(backend), _BOARD_TIMEOUT_S
             )
         except Exception as exc:  # board unreachable: let it through, the budget still holds
             self._board_error("admit", exc)
@@ -123,13 +119,13 @@ class BreakerClient:
 
     async def flush(self) -> None:
         """Send what is queued; take the board's states back."""
-        if self._call is None:
+        if self._board is None:
             return
         reports, self._pending = self._pending, []
         reports += [(b, Outcome.SUCCESS.value, False, n) for b, n in self._successes.items()]
         self._successes = {}
         try:
-            snapshot = await asyncio.wait_for(self._call("sync", reports), _BOARD_TIMEOUT_S)
+            snapshot = await asyncio.wait_for(self._board.sync(reports), _BOARD_TIMEOUT_S)
         except Exception as exc:
             self._board_error("sync", exc)
             return  # the reports are dropped: stale outcomes are worth less than a hung queue
@@ -145,7 +141,7 @@ class BreakerClient:
     # -- background sync ---------------------------------------------------------------------
 
     def _ensure_running(self) -> None:
-        if self._task is None and self._call is not None:
+        if self._task is None and self._board is not None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -168,16 +164,3 @@ class BreakerClient:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-
-
-_current: BreakerClient | None = None
-
-
-def install(client: BreakerClient) -> None:
-    """Make this process's client visible to the pools' request routers (same process)."""
-    global _current
-    _current = client
-
-
-def current() -> BreakerClient | None:
-    return _current

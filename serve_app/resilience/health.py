@@ -48,23 +48,25 @@ class HealthWatch:
         return ok
 
     async def current(self) -> bool:
-        """The last answer, probing now only if there is none yet; keeps the timer running."""
-        self.ensure_running()
+        """The last answer, probing now only if there is none yet."""
         if self.healthy is None:
             return await self.probe()
         return self.healthy
 
-    def ensure_running(self) -> None:
+    def start(self) -> None:
+        """Probe now and every ``interval_s`` until ``aclose``. The gateway calls this when it
+        starts, not on its first ``/readyz``: an idle dead fallback must be found anyway."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:  # the first answer is current()'s own probe
-            await asyncio.sleep(self._interval)
+        while True:
             await self.probe()
+            await asyncio.sleep(self._interval)
 
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None

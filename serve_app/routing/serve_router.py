@@ -16,8 +16,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from serve_app import tokenizer
 from serve_app.block_hashes import prefix_block_hashes
+from serve_app.bridge import pool_bridge, replica_backend
 from serve_app.protocol import prompt_text
-from serve_app.resilience import client as breaker_client
 from serve_app.resilience.breaker import Admit, State
 from serve_app.routing.base import (
     ReplicaView,
@@ -25,7 +25,6 @@ from serve_app.routing.base import (
     RoutingPolicy,
     build_policy,
 )
-from serve_app.routing.ledger import ledger, replica_backend
 
 # Enough text for the first blocks a policy looks at; tokenizing a 100 kB prompt per request
 # to hash 4 blocks of it would cost more than the routing decision.
@@ -53,11 +52,14 @@ class ForgeRequestRouter(RequestRouter):
         self.block_size = block_size
         # Serve calls choose_replicas again on every backoff: compute a request's route once.
         self._routes: dict[str, RouteRequest] = {}
-        self._blocks: dict[int, frozenset[int]] = {}  # per stats snapshot, not per request
+        # Per replica: its last reported block list and that list as a set (one conversion per
+        # stats report, not per request). The list is kept, not its id(): a freed list's
+        # address is reused by the next one, which would get the old set.
+        self._blocks: dict[str, tuple[list, frozenset[int]]] = {}
         pool = self._deployment_id.name
         # The pool as the gateway names it (deployment "pool-primary" → "primary").
         self.pool = pool.removeprefix("pool-")
-        self.ledger = ledger(self.pool)
+        self.bridge = pool_bridge(self._deployment_id.app_name, self.pool)
         self._probes: dict[str, str] = {}  # request id → the open replica it is the probe of
         self._routed = Counter(
             "forge_routed_total",
@@ -75,11 +77,12 @@ class ForgeRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.ledger.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
+        self.bridge.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
+        self._blocks = {rid: v for rid, v in self._blocks.items() if rid in self.bridge.replica_ids}
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
-        self.ledger.replica_ids = frozenset(r.unique_id for r in self.curr_replicas)
+        self.bridge.replica_ids = frozenset(r.unique_id for r in self.curr_replicas)
 
     async def choose_replicas(
         self,
@@ -103,8 +106,8 @@ class ForgeRequestRouter(RequestRouter):
         """Replicas not to choose: breaker not closed, or the one this request's first try
         failed on. Never all of them: when every replica's breaker is open, the pool's own
         breaker is what keeps traffic away, and a request it let through must land somewhere."""
-        breakers = breaker_client.current()
-        avoid = self.ledger.avoid.get(request_id) if request_id else None
+        breakers = self.bridge.breakers
+        avoid = self.bridge.avoid.get(request_id) if request_id else None
         excluded = {
             rid
             for rid in replica_ids
@@ -118,7 +121,7 @@ class ForgeRequestRouter(RequestRouter):
 
     async def _probe_for(self, request_id: str | None, excluded: set[str]) -> str | None:
         """A replica whose cool-down is over gets one request, its probe, granted fleet-wide."""
-        breakers = breaker_client.current()
+        breakers = self.bridge.breakers
         if breakers is None or request_id is None:
             return None
         known = self._probes.get(request_id)
@@ -126,7 +129,7 @@ class ForgeRequestRouter(RequestRouter):
             return known  # Serve is retrying this request's choice: keep the probe
         for rid in sorted(excluded):
             backend = replica_backend(self.pool, rid)
-            if rid == self.ledger.avoid.get(request_id) or not breakers.probe_ready(backend):
+            if rid == self.bridge.avoid.get(request_id) or not breakers.probe_ready(backend):
                 continue
             if await breakers.admit(backend) is Admit.PROBE:
                 if len(self._probes) > 1_000:
@@ -143,12 +146,12 @@ class ForgeRequestRouter(RequestRouter):
         self._routes.pop(pending_request.metadata.internal_request_id, None)
         request_id = _request_id(pending_request)
         if request_id is not None:
-            breakers = breaker_client.current()
+            breakers = self.bridge.breakers
             probe = self._probes.pop(request_id, None) == rid or (
                 breakers is not None
                 and breakers.state(replica_backend(self.pool, rid)) is not State.CLOSED
             )
-            self.ledger.note_routed(request_id, rid, probe)
+            self.bridge.note_routed(request_id, rid, probe)
 
     def _route_for(self, pending: PendingRequest | None) -> RouteRequest:
         if not self.needs_prefix or pending is None:
@@ -172,20 +175,20 @@ class ForgeRequestRouter(RequestRouter):
             running=int(stats.get("num_requests_running", 0)),
             waiting=int(stats.get("num_requests_waiting", 0)),
             kv_cache_usage=float(stats.get("kv_cache_usage_perc", 0.0)),
-            cached_blocks=self._cached_blocks(stats),
+            cached_blocks=self._cached_blocks(replica.replica_id.unique_id, stats),
             excluded=excluded,
         )
 
-    def _cached_blocks(self, stats: dict) -> frozenset[int]:
+    def _cached_blocks(self, replica_id: str, stats: dict) -> frozenset[int]:
         blocks = stats.get("cached_blocks")
         if not blocks:
+            self._blocks.pop(replica_id, None)
             return frozenset()
-        key = id(blocks)  # a new snapshot is a new list
-        cached = self._blocks.get(key)
-        if cached is None:
-            if len(self._blocks) > 64:
-                self._blocks.clear()
-            cached = self._blocks[key] = frozenset(blocks)
+        known = self._blocks.get(replica_id)
+        if known is not None and known[0] is blocks:
+            return known[1]
+        cached = frozenset(blocks)
+        self._blocks[replica_id] = (blocks, cached)
         return cached
 
     def _route_request(self, pending: PendingRequest | None) -> RouteRequest:

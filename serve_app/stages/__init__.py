@@ -1,1 +1,1 @@
-"""The pipeline's stages, one module each, in the order the gateway runs them."""
+"""The pipeline's stages, one module each; `serve_app/stack.py` lists them in order."""

@@ -1,6 +1,6 @@
-"""Stage 5: fair admission. A slot of the pool, from its scheduler, before dispatch.
+"""Fair admission: a slot of the pool, from its scheduler, before dispatch.
 
-One scheduler round trip to acquire (it may wait in the tenant's queue up to the deadline);
+One scheduler call to acquire (it may wait in the tenant's queue up to the deadline);
 the release, on every exit path, rides along with the gateway's next acquire, or goes on its own
 after at most ``RELEASE_FLUSH_S`` when no acquire comes (a quiet gateway). A long generation
 renews its lease so the scheduler does not reclaim a live slot. If the scheduler cannot be
@@ -17,13 +17,13 @@ import math
 import time
 from collections.abc import Mapping
 
-from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
 from serve_app import errors
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
 from serve_app.scheduler import Shed
+from serve_app.scheduler_client import Lease, SchedulerClient
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,7 +36,7 @@ _WARN_EVERY_S = 30.0
 class AdmissionStage:
     def __init__(
         self,
-        schedulers: Mapping[str, DeploymentHandle],
+        schedulers: Mapping[str, SchedulerClient],
         deadlines: Mapping[str, float],
         metrics: ForgeMetrics,
     ) -> None:
@@ -56,8 +56,8 @@ class AdmissionStage:
         released = releases.take()
         try:
             # wait_for, not asyncio.timeout: around a handle's await the latter did not fire here.
-            lease_id, ttl_s = await asyncio.wait_for(
-                _resolve(scheduler.acquire.remote(tenant, self._tier(ctx), released)), wait_limit
+            lease = await asyncio.wait_for(
+                scheduler.acquire(tenant, self._tier(ctx), released), wait_limit
             )
         except Shed as shed:
             self.metrics.shed.inc(tags={"tenant": tenant, "reason": shed.reason})
@@ -74,7 +74,7 @@ class AdmissionStage:
             return await call_next(ctx)
 
         self.metrics.admitted.inc(tags={"tenant": tenant})
-        renewer = asyncio.create_task(_keep_alive(scheduler, lease_id, ttl_s))
+        renewer = asyncio.create_task(_keep_alive(scheduler, lease))
         released = False
 
         def release(completed: bool = True) -> None:
@@ -82,7 +82,7 @@ class AdmissionStage:
             if not released:
                 released = True
                 renewer.cancel()
-                releases.add(lease_id)
+                releases.add(lease.lease_id)
 
         ctx.release_slot = release
         try:
@@ -107,23 +107,19 @@ class AdmissionStage:
             logger.warning("scheduler unavailable (%r); admitting without a slot", exc)
 
 
-async def _resolve(response):
-    return await response
-
-
-async def _keep_alive(scheduler: DeploymentHandle, lease_id: str, ttl_s: float) -> None:
+async def _keep_alive(scheduler: SchedulerClient, lease: Lease) -> None:
     """Renew a held lease at a third of its TTL for as long as the request runs."""
     with contextlib.suppress(asyncio.CancelledError):
         while True:
-            await asyncio.sleep(ttl_s / 3)
+            await asyncio.sleep(lease.ttl_s / 3)
             with contextlib.suppress(Exception):
-                await scheduler.renew.remote(lease_id)
+                await scheduler.renew(lease.lease_id)
 
 
 class _ReleaseBatch:
     """Freed leases waiting to ride on the next acquire, flushed alone if none comes soon."""
 
-    def __init__(self, scheduler: DeploymentHandle) -> None:
+    def __init__(self, scheduler: SchedulerClient) -> None:
         self.scheduler = scheduler
         self.pending: list[str] = []
         self._flush: asyncio.TimerHandle | None = None
@@ -144,4 +140,4 @@ class _ReleaseBatch:
     def _send(self) -> None:
         self._flush = None
         if self.pending:
-            self.scheduler.release.remote(self.take())
+            self.scheduler.release(self.take())

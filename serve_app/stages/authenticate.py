@@ -1,4 +1,4 @@
-"""Stage 2: bearer key → tenant, before anything else touches the request. Fails closed."""
+"""Bearer key → tenant, before anything else touches the request. Fails closed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The last stage: choose a backend past the breakers, relay its answer, retry before byte one.
+"""The endpoint of the pipeline: a backend past the breakers, its answer relayed, a retry
+before byte one.
 
 Order of backends per model: the primary pool, then the fallback. A backend whose breaker is
 open, or a pool at zero replicas (which is woken meanwhile), is routed around without a try:
@@ -16,41 +17,69 @@ the only probe slot for its whole generation.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
 from starlette.responses import Response
 
-from serve_app import errors, sse
+from serve_app import errors
 from serve_app.backends.base import Backend
-from serve_app.backends.pool import PoolBackend
+from serve_app.bridge import replica_backend
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import EventStream, RequestContext
+from serve_app.relay import relay, take_frames
 from serve_app.resilience.breaker import Admit, Outcome, State
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.outcomes import classify, retryable
 from serve_app.resilience.retry_budget import RetryBudget
-from serve_app.routing.ledger import replica_backend
-
-logger = logging.getLogger("ray.serve")
 
 _STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _MAX_ATTEMPTS = 2  # the first try and at most one retry
 
 
 @dataclass(slots=True)
-class _Attempt:
-    """One try on one backend, and what its breakers must hear about it."""
+class Attempt:
+    """One try on one backend, and what its breakers must hear about it (exactly once)."""
 
     backend: Backend
+    breakers: BreakerClient | None
     probe: bool  # the backend's half-open probe
     replica: str | None = None  # the pool replica it went to
     replica_probe: bool = False
-    resolved: bool = False  # probes resolved early (at the first batch)
+    resolved: bool = False  # the breakers were told (probes: at the first batch)
+
+    def collect_replica(self, ctx: RequestContext) -> None:
+        """Which replica the pool's router chose; known once the call was routed."""
+        pool = self.backend.pool
+        if self.replica is None and pool is not None:
+            routed = pool.take_routed(ctx.request_id)
+            if routed is not None:
+                self.replica, self.replica_probe = routed
+                ctx.replica = self.replica
+
+    def settle(self, ctx: RequestContext, outcome: Outcome) -> None:
+        """Tell the backend's breaker, and its replica's, how the attempt went."""
+        self.collect_replica(ctx)
+        if self.breakers is None or self.resolved:
+            return
+        self.resolved = True
+        self.breakers.record(self.backend.name, outcome, probe=self.probe)
+        if self.replica is not None:
+            self.breakers.record(
+                replica_backend(self.backend.name, self.replica),
+                outcome,
+                probe=self.replica_probe,
+            )
+
+    def answering(self, ctx: RequestContext) -> None:
+        """The first batch arrived: a probing backend is answering. Say so now, not at the end
+        of a long stream that would hold the only probe slot."""
+        self.collect_replica(ctx)
+        if self.probe or self.replica_probe:
+            self.settle(ctx, Outcome.SUCCESS)
 
 
 class Dispatch:
@@ -73,50 +102,30 @@ class Dispatch:
             raise errors.model_not_found(ctx.parsed.model)
         if self.budget is not None:
             self.budget.on_request(time.monotonic())
-        budget_s = ctx.client_timeout_s
+        plan = _Plan(self, ctx, candidates)
         failure: errors.ForgeError | None = None
-        attempts = 0
-        for backend in _with_retry(candidates):
-            if attempts == _MAX_ATTEMPTS:
-                break
-            if attempts and not _another_chance(backend, ctx):
-                continue
-            admit = await self._admit(backend)
-            if admit is Admit.DENY:
-                continue
-            if attempts and not self._spend_retry(backend, failure):
-                if admit is Admit.PROBE and self.breakers is not None:
-                    # Granted but never sent: free the probe slot for the next request.
-                    self.breakers.record(backend.name, Outcome.NEUTRAL, probe=True)
-                break
-            attempts += 1
-            attempt = _Attempt(backend, probe=admit is Admit.PROBE)
-            failed_replica, ctx.replica = ctx.replica, None
-            if failed_replica and isinstance(backend, PoolBackend):
-                backend.ledger.avoid[ctx.request_id] = failed_replica
-            remaining = None if budget_s is None else budget_s - (time.perf_counter() - ctx.started)
+        while (attempt := await plan.next(failure)) is not None:
             try:
-                if ctx.parsed.stream:
-                    return await self._stream(ctx, attempt, candidates, remaining)
-                return await self._complete(ctx, attempt, candidates, remaining)
+                return await self._serve(ctx, attempt, candidates)
             except errors.ForgeError as err:
-                self._settle(attempt, ctx, classify(err))
+                attempt.settle(ctx, classify(err))
                 if not retryable(err):
                     raise
                 failure = err
             except asyncio.CancelledError:  # the client left before the first byte
-                self._settle(attempt, ctx, Outcome.NEUTRAL)
+                attempt.settle(ctx, Outcome.NEUTRAL)
                 raise
         raise failure or self._none_available(candidates)
 
     # -- choosing ----------------------------------------------------------------------------
 
-    async def _admit(self, backend: Backend) -> Admit:
-        if isinstance(backend, PoolBackend) and backend.replica_count() == 0:
+    async def admit(self, backend: Backend) -> Admit:
+        pool = backend.pool
+        if pool is not None and pool.replica_count() == 0:
             # Scaled to zero: serve elsewhere now, wake it, and let it back in through its probe.
             if self.breakers is not None and self.breakers.state(backend.name) is State.CLOSED:
                 self.breakers.trip(backend.name)
-            backend.wake()
+            pool.wake()
             self._skipped(backend, "cold")
             return Admit.DENY
         if self.breakers is None:
@@ -126,9 +135,7 @@ class Dispatch:
             self._skipped(backend, "breaker_open")
         return admit
 
-    def _spend_retry(self, backend: Backend, failure: errors.ForgeError | None) -> bool:
-        if failure is None:
-            return True  # nothing was tried yet: the earlier backends were routed around
+    def spend_retry(self, backend: Backend) -> bool:
         if self.budget is None:
             return True
         now = time.monotonic()
@@ -155,49 +162,27 @@ class Dispatch:
         if self.metrics is not None:
             self.metrics.backend_skipped.inc(tags={"backend": backend.name, "reason": reason})
 
-    # -- outcomes ----------------------------------------------------------------------------
-
-    def _settle(self, attempt: _Attempt, ctx: RequestContext, outcome: Outcome) -> None:
-        """Tell the attempt's breakers how it went (once; probes may have been told already)."""
-        self._collect_replica(attempt, ctx)
-        if self.breakers is None or attempt.resolved:
-            return
-        attempt.resolved = True
-        self.breakers.record(attempt.backend.name, outcome, probe=attempt.probe)
-        if attempt.replica is not None:
-            self.breakers.record(
-                replica_backend(attempt.backend.name, attempt.replica),
-                outcome,
-                probe=attempt.replica_probe,
-            )
-
-    def _resolve_probes(self, attempt: _Attempt, ctx: RequestContext) -> None:
-        """The first batch arrived: a probing backend is answering. Say so now, not at the end."""
-        self._collect_replica(attempt, ctx)
-        if self.breakers is None or not (attempt.probe or attempt.replica_probe):
-            return
-        self._settle(attempt, ctx, Outcome.SUCCESS)
-
-    @staticmethod
-    def _collect_replica(attempt: _Attempt, ctx: RequestContext) -> None:
-        if attempt.replica is None and isinstance(attempt.backend, PoolBackend):
-            routed = attempt.backend.ledger.take_routed(ctx.request_id)
-            if routed is not None:
-                attempt.replica, attempt.replica_probe = routed
-                ctx.replica = attempt.replica
-
     # -- serving -----------------------------------------------------------------------------
+
+    async def _serve(
+        self, ctx: RequestContext, attempt: Attempt, candidates: Sequence[Backend]
+    ) -> Response:
+        budget_s = ctx.client_timeout_s
+        remaining = None if budget_s is None else budget_s - (time.perf_counter() - ctx.started)
+        if ctx.parsed.stream:
+            return await self._stream(ctx, attempt, candidates, remaining)
+        return await self._complete(ctx, attempt, candidates, remaining)
 
     async def _complete(
         self,
         ctx: RequestContext,
-        attempt: _Attempt,
+        attempt: Attempt,
         candidates: Sequence[Backend],
         budget_s: float | None,
     ) -> Response:
         backend = attempt.backend
         result = await backend.complete(ctx.body, ctx.route, ctx.request_id, budget_s)
-        self._settle(attempt, ctx, Outcome.SUCCESS)
+        attempt.settle(ctx, Outcome.SUCCESS)
         _release_pool_slot_on_failover(ctx, backend, candidates)
         response = result["response"]
         ctx.backend, ctx.usage = backend.name, response.get("usage")
@@ -210,7 +195,7 @@ class Dispatch:
     async def _stream(
         self,
         ctx: RequestContext,
-        attempt: _Attempt,
+        attempt: Attempt,
         candidates: Sequence[Backend],
         budget_s: float | None,
     ) -> Response:
@@ -222,45 +207,51 @@ class Dispatch:
             await stream.aclose()
             raise
         ctx.backend = backend.name
-        self._resolve_probes(attempt, ctx)
+        attempt.answering(ctx)
         _release_pool_slot_on_failover(ctx, backend, candidates)
-        head = _take(ctx, first)
+        head = take_frames(ctx, first)
         return EventStream(
-            self._relay(ctx, attempt, head, stream),
+            relay(ctx, head, stream, lambda outcome: attempt.settle(ctx, outcome)),
             close_source=stream.aclose,
             headers={**_STREAM_HEADERS, **_served_by(ctx)},
         )
 
-    async def _relay(
-        self, ctx: RequestContext, attempt: _Attempt, head: bytes, stream: AsyncIterator[list]
-    ):
-        outcome = Outcome.NEUTRAL  # unless it ends one way or the other: the client left
-        try:
-            if head:
-                ctx.first_byte_at = time.perf_counter()
-                yield head
-            async for batch in stream:
-                out = _take(ctx, batch)
-                if out:
-                    if ctx.first_byte_at is None:
-                        ctx.first_byte_at = time.perf_counter()
-                    yield out
-            outcome = Outcome.SUCCESS
-            yield sse.DONE
-        except errors.ForgeError as err:
-            outcome = classify(err)
-            ctx.stream_error = err.message
-            yield errors.error_event(err)
-        except Exception:
-            # Headers are sent: the only honest end left is an error event, never a truncation.
-            logger.exception("stream %s failed after its first byte", ctx.request_id)
-            outcome = Outcome.FAILURE
-            err = errors.bad_gateway("The stream failed after it started.")
-            ctx.stream_error = err.message
-            yield errors.error_event(err)
-        finally:
-            self._settle(attempt, ctx, outcome)
-            await stream.aclose()
+
+class _Plan:
+    """The attempts one request may make, in order: planned up front as the model's backends
+    (with one retry slot), and granted one at a time as the earlier ones fail.
+
+    A backend whose breaker is open, or a pool at zero replicas, is skipped for free; a retry
+    needs somewhere new to go and the retry budget's consent.
+    """
+
+    def __init__(self, dispatch: Dispatch, ctx: RequestContext, candidates: Sequence[Backend]):
+        self.dispatch = dispatch
+        self.ctx = ctx
+        self.backends = iter(_with_retry(candidates))
+        self.made = 0
+
+    async def next(self, failure: errors.ForgeError | None) -> Attempt | None:
+        dispatch, ctx = self.dispatch, self.ctx
+        for backend in self.backends:
+            if self.made == _MAX_ATTEMPTS:
+                return None
+            if self.made and not _another_chance(backend, ctx):
+                continue
+            admit = await dispatch.admit(backend)
+            if admit is Admit.DENY:
+                continue
+            if failure is not None and not dispatch.spend_retry(backend):
+                if admit is Admit.PROBE and dispatch.breakers is not None:
+                    # Granted but never sent: free the probe slot for the next request.
+                    dispatch.breakers.record(backend.name, Outcome.NEUTRAL, probe=True)
+                return None
+            self.made += 1
+            failed_replica, ctx.replica = ctx.replica, None
+            if failed_replica and backend.pool is not None:
+                backend.pool.avoid(ctx.request_id, failed_replica)
+            return Attempt(backend, dispatch.breakers, probe=admit is Admit.PROBE)
+        return None
 
 
 def _with_retry(candidates: Sequence[Backend]) -> list[Backend]:
@@ -273,8 +264,8 @@ def _another_chance(backend: Backend, ctx: RequestContext) -> bool:
     """A retry on the pool that just failed needs another replica to go to: one that failed
     (``ctx.replica``) and another one up. A request no replica took (the pool at capacity, or
     none took it in time) would meet the same pool again."""
-    if isinstance(backend, PoolBackend):
-        return ctx.replica is not None and (backend.replica_count() or 0) > 1
+    if backend.pool is not None:
+        return ctx.replica is not None and (backend.pool.replica_count() or 0) > 1
     return True
 
 
@@ -292,17 +283,3 @@ def _served_by(ctx: RequestContext) -> dict[str, str]:
     if ctx.replica:
         headers["x-forge-replica"] = ctx.replica
     return headers
-
-
-def _take(ctx: RequestContext, batch: list) -> bytes:
-    """The frames of a batch as one write; metadata items are kept on the context."""
-    frames = []
-    for item in batch:
-        if type(item) is bytes:
-            frames.append(item)
-            ctx.frames_sent += 1
-        elif "usage" in item:
-            ctx.usage = item["usage"]
-        elif "replica" in item:
-            ctx.replica = item["replica"]
-    return b"".join(frames)

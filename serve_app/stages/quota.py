@@ -1,11 +1,12 @@
-"""Stage 3: the tenant's budgets. Reserve before serving, settle to real usage after.
+"""The tenant's budgets. Reserve before serving, settle to real usage after.
 
 Runs before the cache, so a tenant out of tokens is out even for cached answers. One atomic
 store call takes a request and ``prompt + max_tokens`` tokens; a concurrent-request lease is
 held for the request's life. When the response ends, however it ends, the reservation settles
 exactly once to the backend's ``usage`` (or, for a stream the client abandoned, to what was
 relayed). The store is a convenience: when it fails the request is served unmetered, counted in
-``forge_store_errors_total``, and a warning is logged at most once per interval.
+``forge_store_errors_total{op}`` and ``forge_unmetered_total{tenant}``, and a warning is logged
+at most once per interval.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class QuotaStage:
             lease = await self._acquire_lease(quota, ctx, buckets, amounts)
         except StoreError as exc:
             # Served without a lease; a reservation already taken is still settled (refunded).
-            self._fail_open("reserve", exc)
+            self._store_failed("reserve", exc)
+            self.metrics.unmetered.inc(tags={"tenant": quota.tenant})
         metered = reserved_in_store or lease is not None
 
         settled = False
@@ -107,9 +109,13 @@ class QuotaStage:
             quota.stream_key, lease_id, quota.max_streams, LEASE_TTL_S
         )
         if not granted:
-            # Give back what this request took: it is refused, not served.
-            for bucket, amount in zip(buckets, amounts, strict=True):
-                await self.store.adjust(bucket, amount)
+            # Give back what this request took: it is refused, not served. A refund the store
+            # fails is lost (counted), but the refusal stands: the cap is what the store said.
+            try:
+                for bucket, amount in zip(buckets, amounts, strict=True):
+                    await self.store.adjust(bucket, amount)
+            except StoreError as exc:
+                self._store_failed("refund", exc)
             self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
             raise quota.too_many_streams(holders)
         return lease_id
@@ -121,7 +127,7 @@ class QuotaStage:
             try:
                 await self.store.renew_lease(quota.stream_key, lease, LEASE_TTL_S)
             except StoreError as exc:
-                self._fail_open("renew", exc)
+                self._store_failed("renew", exc)
 
     async def _settle(
         self,
@@ -137,15 +143,15 @@ class QuotaStage:
                 if used != reserved:
                     await self.store.adjust(quota.tokens, reserved - used)
         except StoreError as exc:
-            self._fail_open("settle", exc)
+            self._store_failed("settle", exc)
         finally:
             if lease is not None:
                 try:
                     await self.store.release_lease(quota.stream_key, lease)
                 except StoreError as exc:
-                    self._fail_open("release", exc)
+                    self._store_failed("release", exc)
 
-    def _fail_open(self, op: str, exc: StoreError) -> None:
+    def _store_failed(self, op: str, exc: StoreError) -> None:
         self.metrics.store_errors.inc(tags={"op": op})
         now = time.monotonic()
         if now - self._last_warning >= _WARN_EVERY_S:

@@ -1,4 +1,4 @@
-"""Stage 1: every request has an id, returned to the client and passed to every backend."""
+"""Every request has an id, returned to the client and passed to every backend."""
 
 from __future__ import annotations
 

@@ -1,16 +1,19 @@
-"""Shared gateway state (buckets, leases, cache entries, counters) behind one interface."""
+"""Shared gateway state (token buckets, leases) behind one interface."""
 
-from serve_app.store.base import Bucket, Store, StoreError, TakeResult
+from serve_app.store.base import Bucket, Store, StoreError, StoreUnavailable, TakeResult
 from serve_app.store.factory import build_store
+from serve_app.store.guarded import GuardedStore
 from serve_app.store.memory import MemoryStore
 from serve_app.store.redis import RedisStore
 
 __all__ = [
     "Bucket",
+    "GuardedStore",
     "MemoryStore",
     "RedisStore",
     "Store",
     "StoreError",
+    "StoreUnavailable",
     "TakeResult",
     "build_store",
 ]

@@ -1,10 +1,11 @@
 """The store: what the gateway keeps outside a request, shared by every gateway replica.
 
-Token buckets (quotas), stream leases (concurrent-stream caps), byte entries with a TTL (the
-response cache) and counter hashes (metering). Two implementations keep one contract: Redis for a
-cluster of gateway replicas, and an embedded in-process store for a laptop. Quotas and the cache
-are conveniences, so every backend failure surfaces as ``StoreError`` and the gateway fails open
-with a single ``except StoreError``; bad arguments are programming errors and raise ``ValueError``.
+Token buckets (quotas) and stream leases (concurrent-stream caps). Two implementations keep one
+contract: Redis for a cluster of gateway replicas, and an embedded in-process store for a laptop.
+Quotas are a convenience, so every backend failure surfaces as ``StoreError`` and the gateway
+fails open with a single ``except StoreError``; a store that cannot be reached at all raises its
+subclass ``StoreUnavailable``, which is what ``GuardedStore`` counts towards skipping the store
+for a while. Bad arguments are programming errors and raise ``ValueError``.
 
 Bucket arithmetic (both stores): a bucket starts full; its level refills continuously,
 ``level = min(capacity, level + elapsed * refill_per_s)``; a take of ``amount`` succeeds when
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # A take compares floats that went through refill arithmetic; forgive rounding noise so a bucket
@@ -34,6 +35,10 @@ MAX_BUCKET_TTL_S = 86_400.0
 
 class StoreError(Exception):
     """The store failed (unreachable, timed out, script or type error). The caller fails open."""
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached or did not answer in time (not: it answered an error)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,22 +148,6 @@ class Store(ABC):
     @abstractmethod
     async def release_lease(self, key: str, lease_id: str) -> None:
         """Give a lease back. Idempotent: releasing an unknown lease is a no-op."""
-
-    @abstractmethod
-    async def get(self, key: str) -> bytes | None:
-        """The bytes stored under ``key``, or None if absent or expired."""
-
-    @abstractmethod
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        """Store ``value`` under ``key`` for ``ttl_s`` seconds, replacing any previous value."""
-
-    @abstractmethod
-    async def incr(self, key: str, fields: Mapping[str, int], ttl_s: float) -> None:
-        """Add to counters in the hash ``key``; the hash expires ``ttl_s`` after the last incr."""
-
-    @abstractmethod
-    async def read_counters(self, key: str) -> dict[str, int]:
-        """All counters in the hash ``key`` ({} if absent)."""
 
     @abstractmethod
     async def ping(self) -> None:

@@ -1,20 +1,28 @@
-"""Pick the store from config: Redis when a URL is configured, else the embedded store."""
+"""Pick the store from config: Redis when one is configured, else the embedded store."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from serve_app.config import StoreConfig
+from serve_app.resilience.breaker import State
+from serve_app.resilience.settings import breaker_settings
 from serve_app.store.base import Store
+from serve_app.store.guarded import GuardedStore
 from serve_app.store.memory import MemoryStore
 from serve_app.store.redis import RedisStore
 
 
-def build_store(
-    redis_url: str | None, *, key_prefix: str = "forge:", timeout_s: float = 0.05
-) -> Store:
-    """A ``RedisStore`` for ``redis_url`` (connected lazily), or a ``MemoryStore`` without one.
+def build_store(config: StoreConfig, *, on_state: Callable[[State], None] | None = None) -> Store:
+    """A guarded ``RedisStore`` (connected lazily) when Redis is configured, else a
+    ``MemoryStore``. Raises ``ConfigError`` when Redis is configured by an unset variable.
 
     ``timeout_s`` bounds each Redis connect and reply: the store is on the request path and fails
-    open, so it should cost a request milliseconds, not seconds, when Redis is slow or gone.
+    open, so it should cost a request milliseconds, not seconds, when Redis is slow or gone; and
+    once it is known gone, nothing (``GuardedStore``).
     """
-    if not redis_url:
+    url = config.resolved_url()
+    if not url:
         return MemoryStore()
-    return RedisStore.from_url(redis_url, key_prefix=key_prefix, timeout_s=timeout_s)
+    redis = RedisStore.from_url(url, key_prefix=config.key_prefix, timeout_s=config.timeout_s)
+    return GuardedStore(redis, breaker_settings(config.breaker), on_state=on_state)

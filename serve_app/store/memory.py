@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,7 +25,7 @@ from serve_app.store.base import (
     retry_after,
 )
 
-Kind = Literal["bucket", "lease", "bytes", "counters"]
+Kind = Literal["bucket", "lease"]
 
 # Expired keys are dropped when read, and in one sweep of the whole keyspace at most this often,
 # so keys nobody reads again (a departed tenant, a cold cache entry) do not accumulate.
@@ -35,7 +35,7 @@ SWEEP_INTERVAL_S = 10.0
 @dataclass(slots=True)
 class _Entry:
     kind: Kind
-    value: Any  # bucket: (level, last_refill); lease: {lease_id: expires_at}; bytes; {field: n}
+    value: Any  # bucket: (level, last_refill); lease: {lease_id: expires_at}
     expires_at: float
 
 
@@ -148,32 +148,6 @@ class MemoryStore(Store):
         holders = self._holders(key, now)
         holders.pop(lease_id, None)
         self._store_holders(key, holders, now)
-
-    # -- cache entries and counters ---------------------------------------------------------
-
-    async def get(self, key: str) -> bytes | None:
-        entry = self._live(key, "bytes", self._clock())
-        return None if entry is None else entry.value
-
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        check_ttl(ttl_s)
-        now = self._clock()
-        self._put(key, "bytes", bytes(value), now + ttl_s, now)  # replaces any kind, like SET
-
-    async def incr(self, key: str, fields: Mapping[str, int], ttl_s: float) -> None:
-        check_ttl(ttl_s)
-        if not fields:
-            return
-        now = self._clock()
-        entry = self._live(key, "counters", now)
-        counters = {} if entry is None else entry.value
-        for field, n in fields.items():
-            counters[field] = counters.get(field, 0) + int(n)
-        self._put(key, "counters", counters, now + ttl_s, now)
-
-    async def read_counters(self, key: str) -> dict[str, int]:
-        entry = self._live(key, "counters", self._clock())
-        return {} if entry is None else dict(entry.value)
 
     async def ping(self) -> None:
         return None

@@ -3,15 +3,12 @@
 Each check-and-update is one server-side Lua script, so it is atomic and costs one round trip.
 Scripts read the clock with ``TIME`` on the server, so replicas with skewed clocks still share one
 refill timeline. Every key has a TTL: bucket keys live twice their time to refill (after which
-they would be full anyway), lease sets until their last lease expires, cache entries and counters
-as long as the caller says.
+they would be full anyway), lease sets until their last lease expires.
 
 Key layout (``prefix`` defaults to ``forge:``; the caller names the rest):
 
 - ``{prefix}{bucket.key}``: hash ``{level, ts}``, ``ts`` in server microseconds.
 - ``{prefix}{lease key}``: sorted set of lease ids scored by expiry in server milliseconds.
-- ``{prefix}{cache key}``: string, ``PX`` TTL.
-- ``{prefix}{counters key}``: hash of integer counters.
 
 Failures fail fast: a short socket timeout and no client retries. A retried take is not idempotent
 (the first attempt may have run), and a request served unmetered is cheaper than one that waits.
@@ -21,13 +18,15 @@ The connection pool reconnects on the next call once Redis answers again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from serve_app.store.base import (
@@ -37,6 +36,7 @@ from serve_app.store.base import (
     Bucket,
     Store,
     StoreError,
+    StoreUnavailable,
     TakeResult,
     check_take,
     check_ttl,
@@ -161,11 +161,8 @@ return 1
 """
 )
 
-# KEYS[1]: counters hash. ARGV: ttl_ms, then (field, n) pairs.
-_INCR_LUA = """
-for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-"""
+# What redis-py's BlockingConnectionPool raises when no pooled connection frees up in time.
+_POOL_EXHAUSTED = "No connection available."
 
 
 def _ms(ttl_s: float) -> int:
@@ -184,7 +181,6 @@ class RedisStore(Store):
         self._peek = client.register_script(_PEEK_LUA)
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
-        self._incr = client.register_script(_INCR_LUA)
 
     @classmethod
     def from_url(
@@ -226,7 +222,19 @@ class RedisStore(Store):
     def _failures(self, operation: str) -> Iterator[None]:
         try:
             yield
-        except (TimeoutError, RedisError, OSError) as exc:
+        except RedisConnectionError as exc:
+            if str(exc) == _POOL_EXHAUSTED:
+                # Our own pool was busy for timeout_s: Redis is answering the other callers, so
+                # this is load (a burst), not an outage, and must not count towards skipping it.
+                raise StoreError(f"redis {operation} failed: {exc}") from exc
+            raise StoreUnavailable(
+                f"redis {operation} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        except (TimeoutError, RedisTimeoutError, OSError) as exc:
+            raise StoreUnavailable(
+                f"redis {operation} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        except RedisError as exc:
             raise StoreError(f"redis {operation} failed: {type(exc).__name__}: {exc}") from exc
 
     # -- buckets ----------------------------------------------------------------------------
@@ -281,32 +289,6 @@ class RedisStore(Store):
     async def release_lease(self, key: str, lease_id: str) -> None:
         with self._failures("release_lease"):
             await self._client.zrem(self._key(key), lease_id)
-
-    # -- cache entries and counters ---------------------------------------------------------
-
-    async def get(self, key: str) -> bytes | None:
-        with self._failures("get"):
-            return await self._client.get(self._key(key))
-
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        check_ttl(ttl_s)
-        with self._failures("set"):
-            await self._client.set(self._key(key), value, px=_ms(ttl_s))
-
-    async def incr(self, key: str, fields: Mapping[str, int], ttl_s: float) -> None:
-        check_ttl(ttl_s)
-        if not fields:
-            return
-        args: list[str | int] = [_ms(ttl_s)]
-        for field, n in fields.items():
-            args += [field, int(n)]
-        with self._failures("incr"):
-            await self._incr(keys=[self._key(key)], args=args)
-
-    async def read_counters(self, key: str) -> dict[str, int]:
-        with self._failures("read_counters"):
-            raw = await self._client.hgetall(self._key(key))
-        return {field.decode(): int(n) for field, n in raw.items()}
 
     async def ping(self) -> None:
         with self._failures("ping"):

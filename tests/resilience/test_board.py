@@ -7,34 +7,32 @@ import asyncio
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.breaker import Admit, BreakerSettings, Outcome, State
 from serve_app.resilience.client import BreakerClient
+from tests.doubles import Clock
 
 S = BreakerSettings(failure_threshold=3, cooldown_s=5, min_requests=100)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
+class CountingBoard(BreakerBoard):
+    """The in-process board, counting the calls a gateway's client makes to it."""
 
-    def __call__(self) -> float:
-        return self.now
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
 
+    async def sync(self, reports=()):
+        self.calls.append("sync")
+        return await super().sync(reports)
 
-def link(board: BreakerBoard, calls: list[str] | None = None):
-    """The client's call to the board, in process (Serve's handle does this over RPC)."""
-
-    async def call(method: str, *args):
-        if calls is not None:
-            calls.append(method)
-        return await getattr(board, method)(*args)
-
-    return call
+    async def admit(self, backend):
+        self.calls.append("admit")
+        return await super().admit(backend)
 
 
 async def test_failures_from_two_gateways_add_up_on_the_board():
     clock = Clock()
     board = BreakerBoard(S, clock)
-    a = BreakerClient(link(board), sync_interval_s=60, clock=clock)
-    b = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    a = BreakerClient(board, sync_interval_s=60, clock=clock)
+    b = BreakerClient(board, sync_interval_s=60, clock=clock)
     a.record("primary", Outcome.FAILURE)
     a.record("primary", Outcome.FAILURE)
     b.record("primary", Outcome.FAILURE)
@@ -49,16 +47,16 @@ async def test_failures_from_two_gateways_add_up_on_the_board():
 
 
 async def test_a_healthy_path_never_calls_the_board():
-    calls: list[str] = []
-    client = BreakerClient(link(BreakerBoard(S), calls), sync_interval_s=60)
+    board = CountingBoard(S)
+    client = BreakerClient(board, sync_interval_s=60)
     assert [await client.admit("primary") for _ in range(100)] == [Admit.PASS] * 100
-    assert calls == []
+    assert board.calls == []
 
 
 async def test_only_one_gateway_gets_the_probe():
     clock = Clock()
     board = BreakerBoard(S, clock)
-    clients = [BreakerClient(link(board), sync_interval_s=60, clock=clock) for _ in range(3)]
+    clients = [BreakerClient(board, sync_interval_s=60, clock=clock) for _ in range(3)]
     for _ in range(3):
         clients[0].record("fallback", Outcome.FAILURE)
     await clients[0].flush()
@@ -73,8 +71,8 @@ async def test_only_one_gateway_gets_the_probe():
 async def test_the_probe_verdict_closes_it_for_everyone():
     clock = Clock()
     board = BreakerBoard(S, clock)
-    a = BreakerClient(link(board), sync_interval_s=60, clock=clock)
-    b = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    a = BreakerClient(board, sync_interval_s=60, clock=clock)
+    b = BreakerClient(board, sync_interval_s=60, clock=clock)
     a.trip("primary")
     await a.flush()
     await b.flush()
@@ -89,11 +87,17 @@ async def test_the_probe_verdict_closes_it_for_everyone():
 async def test_an_unreachable_board_fails_open_and_is_counted():
     errors: list[str] = []
 
-    async def broken(method: str, *args):
-        raise ConnectionError("board gone")
+    class Unreachable:
+        async def sync(self, reports):
+            raise ConnectionError("board gone")
+
+        async def admit(self, backend):
+            raise ConnectionError("board gone")
 
     clock = Clock()
-    client = BreakerClient(broken, sync_interval_s=60, clock=clock, on_board_error=errors.append)
+    client = BreakerClient(
+        Unreachable(), sync_interval_s=60, clock=clock, on_board_error=errors.append
+    )
     client.trip("primary")  # known locally at once
     assert client.state("primary") is State.OPEN
     await client.flush()
@@ -104,7 +108,7 @@ async def test_an_unreachable_board_fails_open_and_is_counted():
 
 async def test_the_sync_loop_pushes_failures_at_once():
     board = BreakerBoard(S)
-    client = BreakerClient(link(board), sync_interval_s=60)
+    client = BreakerClient(board, sync_interval_s=60)
     await client.admit("x")  # starts the loop
     for _ in range(3):
         client.record("primary", Outcome.FAILURE)
@@ -118,15 +122,15 @@ async def test_the_sync_loop_pushes_failures_at_once():
 
 async def test_a_healthy_path_sends_one_summed_report_per_backend_in_order():
     clock = Clock()
-    board = BreakerBoard(S, clock)
     sent: list = []
 
-    async def call(method: str, *args):
-        if method == "sync":
-            sent.append(list(args[0]))
-        return await getattr(board, method)(*args)
+    class RecordingBoard(BreakerBoard):
+        async def sync(self, reports=()):
+            sent.append(list(reports))
+            return await super().sync(reports)
 
-    client = BreakerClient(call, sync_interval_s=60, clock=clock)
+    board = RecordingBoard(S, clock)
+    client = BreakerClient(board, sync_interval_s=60, clock=clock)
     client.record("primary", Outcome.FAILURE)
     client.record("primary", Outcome.FAILURE)
     for _ in range(500):

@@ -1,8 +1,6 @@
-"""The admission stage with a fake scheduler handle: grants, sheds, releases, fails open."""
+"""The admission stage over a real in-process scheduler: grants, sheds, releases, fails open."""
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 from starlette.requests import Request
@@ -12,43 +10,45 @@ from serve_app.config import TenantConfig
 from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.protocol import ChatCompletionRequest
-from serve_app.scheduler import Shed
+from serve_app.scheduler import FairScheduler, Shed, TenantShare
+from serve_app.scheduler_client import Lease, LocalSchedulerClient
 from serve_app.stages import admission as stage_module
 from serve_app.stages.admission import AdmissionStage
+from tests.doubles import RecordingMetrics
+from tests.polling import eventually_async
 
 MODEL = "forge-sim"
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.calls: list[dict | None] = []
+class RecordingScheduler(LocalSchedulerClient):
+    """The real in-process scheduler client, recording what the stage asks of it; ``fail``
+    makes the next acquire raise it instead (a shed, an unreachable scheduler)."""
 
-    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
-        self.calls.append(tags)
+    def __init__(self, max_inflight: int = 4) -> None:
+        super().__init__(
+            FairScheduler(max_inflight, default_tenant=TenantShare(queue_cap=4)), deadline_s=5
+        )
+        self.acquired: list[tuple[str, str | None, list[str]]] = []
+        self.granted: list[str] = []
+        self.released: list[list[str]] = []
+        self.fail: BaseException | None = None
 
+    async def acquire(self, tenant, tier, released=()) -> Lease:
+        self.acquired.append((tenant, tier, list(released)))
+        if self.fail is not None:
+            exc, self.fail = self.fail, None
+            raise exc
+        lease = await super().acquire(tenant, tier, released)
+        self.granted.append(lease.lease_id)
+        return lease
 
-class Metrics:
-    def __init__(self) -> None:
-        self.shed = Counter()
-        self.admitted = Counter()
-        self.admission_errors = Counter()
+    def release(self, lease_ids) -> int:
+        self.released.append(list(lease_ids))
+        return super().release(lease_ids)
 
-
-class Method:
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        self.calls: list[tuple] = []
-
-    def remote(self, *args):
-        self.calls.append(args)
-        return self.fn(*args)
-
-
-class FakeScheduler:
-    def __init__(self, acquire) -> None:
-        self.acquire = Method(acquire)
-        self.release = Method(lambda ids: None)
-        self.renew = Method(lambda lease_id: None)
+    @property
+    def slots_used(self) -> int:
+        return self.scheduler.snapshot().slots_used
 
 
 def ctx_for(tenant: str, headers: dict | None = None) -> RequestContext:
@@ -66,63 +66,59 @@ TENANTS = {
 }
 
 
-def stage(scheduler: FakeScheduler, metrics: Metrics | None = None) -> AdmissionStage:
-    return AdmissionStage({MODEL: scheduler}, {MODEL: 5.0}, metrics or Metrics())
+def stage(scheduler: RecordingScheduler, metrics: RecordingMetrics | None = None) -> AdmissionStage:
+    return AdmissionStage({MODEL: scheduler}, {MODEL: 5.0}, metrics or RecordingMetrics())
 
 
 async def ok(ctx: RequestContext) -> Response:
     return Response(b"{}")
 
 
-async def granted(tenant, tier, released):
-    return "lease-1", 30.0
-
-
 async def test_granted_request_is_served_and_its_lease_released_on_the_next_acquire(monkeypatch):
     monkeypatch.setattr(stage_module, "RELEASE_FLUSH_S", 60)  # only the piggyback path
-    scheduler = FakeScheduler(granted)
+    scheduler = RecordingScheduler()
     admission = stage(scheduler)
     response = await admission(ctx_for("a"), ok)
     assert response.status_code == 200
     await admission(ctx_for("a"), ok)
-    assert scheduler.acquire.calls[1][2] == ["lease-1"], "the first lease rode on the second call"
+    first = scheduler.granted[0]
+    assert scheduler.acquired[1][2] == [first], "the first lease rode on the second call"
+    assert scheduler.released == [], "no release call of its own"
+    assert scheduler.slots_used == 1  # only the second request's slot is still held
 
 
 async def test_a_quiet_gateway_releases_on_its_own(monkeypatch):
     monkeypatch.setattr(stage_module, "RELEASE_FLUSH_S", 0.01)
-    scheduler = FakeScheduler(granted)
+    scheduler = RecordingScheduler()
     await stage(scheduler)(ctx_for("a"), ok)
-    await asyncio.sleep(0.05)
-    assert scheduler.release.calls == [(["lease-1"],)]
+    assert scheduler.slots_used == 1
+    await eventually_async(lambda: scheduler.slots_used == 0, timeout_s=2, what="the slot freed")
+    assert scheduler.released == [scheduler.granted]
 
 
 async def test_shed_is_a_429_with_retry_after_and_counted():
-    async def shed(tenant, tier, released):
-        raise Shed("queue_full", 2.2, tenant)
-
-    metrics = Metrics()
+    scheduler, metrics = RecordingScheduler(), RecordingMetrics()
+    scheduler.fail = Shed("queue_full", 2.2, "a")
     with pytest.raises(ForgeError) as info:
-        await stage(FakeScheduler(shed), metrics)(ctx_for("a"), ok)
+        await stage(scheduler, metrics)(ctx_for("a"), ok)
     assert info.value.status == 429 and info.value.headers["retry-after"] == "3"
     assert metrics.shed.calls == [{"tenant": "a", "reason": "queue_full"}]
 
 
 async def test_scheduler_unreachable_admits_and_counts():
-    async def broken(tenant, tier, released):
-        raise ConnectionError("scheduler gone")
-
-    metrics = Metrics()
-    response = await stage(FakeScheduler(broken), metrics)(ctx_for("a"), ok)
+    scheduler, metrics = RecordingScheduler(), RecordingMetrics()
+    scheduler.fail = ConnectionError("scheduler gone")
+    response = await stage(scheduler, metrics)(ctx_for("a"), ok)
     assert response.status_code == 200
     assert len(metrics.admission_errors.calls) == 1
 
 
 async def test_models_without_admission_pass_straight_through():
-    scheduler = FakeScheduler(granted)
+    scheduler = RecordingScheduler()
     ctx = ctx_for("a")
     ctx.parsed = ChatCompletionRequest(model="other", messages=[{"role": "user", "content": "x"}])
     await stage(scheduler)(ctx, ok)
-    assert scheduler.acquire.calls == []
+    assert scheduler.acquired == []
 
 
 @pytest.mark.parametrize(
@@ -136,23 +132,21 @@ async def test_models_without_admission_pass_straight_through():
     ],
 )
 async def test_tier_comes_from_the_tenant_or_its_allowed_header(tenant, header, tier):
-    scheduler = FakeScheduler(granted)
+    scheduler = RecordingScheduler()
     headers = {"x-forge-priority": header} if header else {}
     await stage(scheduler)(ctx_for(tenant, headers), ok)
-    assert scheduler.acquire.calls[0][1] == tier
+    assert scheduler.acquired[0][1] == tier
 
 
 async def test_releases_riding_on_a_failed_acquire_are_not_lost(monkeypatch):
     monkeypatch.setattr(stage_module, "RELEASE_FLUSH_S", 60)
-    calls = []
-
-    async def flaky(tenant, tier, released):
-        calls.append(list(released))
-        if len(calls) == 2:
-            raise ConnectionError("blip")
-        return f"lease-{len(calls)}", 30.0
-
-    admission = stage(FakeScheduler(flaky), Metrics())
-    for _ in range(3):
-        await admission(ctx_for("a"), ok)
-    assert calls == [[], ["lease-1"], ["lease-1"]], "the blip's releases rode on the next call"
+    scheduler = RecordingScheduler()
+    admission = stage(scheduler)
+    await admission(ctx_for("a"), ok)
+    scheduler.fail = ConnectionError("blip")
+    await admission(ctx_for("a"), ok)  # admitted without a slot (fail open)
+    await admission(ctx_for("a"), ok)
+    first = scheduler.granted[0]
+    released = [call[2] for call in scheduler.acquired]
+    assert released == [[], [first], [first]], "the blip's releases rode on the next call"
+    assert scheduler.slots_used == 1

@@ -2,91 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import orjson
 import pytest
-from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from serve_app import errors, sse
 from serve_app.errors import ForgeError
-from serve_app.pipeline import RequestContext
-from serve_app.protocol import ChatCompletionRequest
 from serve_app.stages.dispatch import Dispatch
-
-MODEL = "forge-sim"
-USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
-
-
-def chunk(text: str) -> bytes:
-    return sse.frame({"object": "chat.completion.chunk", "choices": [{"delta": {"content": text}}]})
-
-
-class FakeBackend:
-    """A Backend double: streams the given batches, raising where told to."""
-
-    def __init__(
-        self,
-        name: str,
-        batches: list[list] | None = None,
-        *,
-        fail_before: ForgeError | None = None,
-        fail_after: Exception | None = None,
-        response: dict | None = None,
-        replica: str | None = "replica-1",
-    ) -> None:
-        self.name = name
-        self.batches = batches or []
-        self.fail_before = fail_before
-        self.fail_after = fail_after
-        self.response = response or {"id": name, "choices": [], "usage": USAGE}
-        self.replica = replica
-        self.calls: list[tuple] = []
-        self.closed = False
-
-    async def stream(
-        self, body: dict, kind: str, request_id: str, budget_s: float | None = None
-    ) -> AsyncIterator[list]:
-        self.calls.append((body, kind, request_id))
-        try:
-            if self.fail_before:
-                raise self.fail_before
-            for batch in self.batches:
-                yield batch
-            if self.fail_after:
-                raise self.fail_after
-        finally:
-            self.closed = True
-
-    async def complete(
-        self, body: dict, kind: str, request_id: str, budget_s: float | None = None
-    ) -> dict:
-        self.calls.append((body, kind, request_id))
-        if self.fail_before:
-            raise self.fail_before
-        return {"response": self.response, "replica": self.replica}
-
-    async def ready(self) -> bool:
-        return True
-
-
-def make_ctx(stream: bool = True, model: str = MODEL) -> RequestContext:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    request = Request(
-        {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    )
-    return RequestContext(
-        request=request,
-        route="chat",
-        request_id="req-1",
-        body=body,
-        parsed=ChatCompletionRequest.model_validate(body),
-    )
-
-
-async def body_of(response: StreamingResponse) -> list[bytes]:
-    return [part async for part in response.body_iterator]
+from tests.doubles import MODEL, USAGE, FakeBackend, body_of, chunk, make_ctx
 
 
 async def test_unknown_model_is_404():

@@ -11,8 +11,7 @@ from serve_app.resilience.breaker import Admit, BreakerSettings, State
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.retry_budget import RetryBudget, RetryBudgetSettings
 from serve_app.stages.dispatch import Dispatch
-from tests.resilience.test_board import Clock, link
-from tests.stages.test_dispatch import MODEL, FakeBackend, body_of, chunk, make_ctx
+from tests.doubles import MODEL, Clock, FakeBackend, body_of, chunk, make_ctx
 
 SETTINGS = BreakerSettings(failure_threshold=3, cooldown_s=5, min_requests=100)
 
@@ -20,7 +19,7 @@ SETTINGS = BreakerSettings(failure_threshold=3, cooldown_s=5, min_requests=100)
 def rig(primary: FakeBackend, fallback: FakeBackend | None, *, min_retries: int = 100):
     clock = Clock()
     board = BreakerBoard(SETTINGS, clock)
-    client = BreakerClient(link(board), sync_interval_s=60, clock=clock)
+    client = BreakerClient(board, sync_interval_s=60, clock=clock)
     budget = RetryBudget(RetryBudgetSettings(ratio=0.1, window_s=10, min_retries=min_retries))
     backends = [primary] + ([fallback] if fallback else [])
     return Dispatch({MODEL: backends}, client, budget), client, clock

@@ -16,17 +16,10 @@ from serve_app.quota import TenantQuota
 from serve_app.stages import quota as quota_module
 from serve_app.stages.quota import QuotaStage
 from serve_app.store import MemoryStore, StoreError
-from tests.stages.test_admission import Metrics
+from tests.doubles import DownStore, RecordingMetrics
+from tests.polling import eventually_async
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
-
-
-class StoreMetrics(Metrics):
-    def __init__(self) -> None:
-        super().__init__()
-        from tests.stages.test_admission import Counter
-
-        self.store_errors = Counter()
 
 
 def tenant(**limits) -> TenantConfig:
@@ -59,7 +52,7 @@ async def settled() -> None:
 
 async def test_reserves_up_front_and_settles_to_real_usage():
     store, t = MemoryStore(), tenant(tpm=10_000)
-    stage = QuotaStage(store, StoreMetrics(), [t], {})
+    stage = QuotaStage(store, RecordingMetrics(), [t], {})
     bucket = TenantQuota.of(t).tokens
     response = await stage(ctx_for(t), answered({"prompt_tokens": 20, "completion_tokens": 30}))
     assert response.headers["x-ratelimit-limit-tokens"] == "10000"
@@ -70,7 +63,7 @@ async def test_reserves_up_front_and_settles_to_real_usage():
 
 async def test_a_failure_before_any_byte_refunds_every_token():
     store, t = MemoryStore(), tenant(tpm=10_000)
-    stage = QuotaStage(store, StoreMetrics(), [t], {})
+    stage = QuotaStage(store, RecordingMetrics(), [t], {})
 
     async def boom(ctx):
         raise ForgeError(502, "down", type="api_error")
@@ -85,7 +78,7 @@ async def test_a_failure_before_any_byte_refunds_every_token():
 async def test_a_long_stream_keeps_its_lease_and_gives_it_back_at_the_end(monkeypatch):
     monkeypatch.setattr(quota_module, "LEASE_TTL_S", 0.15)
     store, t = MemoryStore(), tenant(max_concurrent_streams=1)
-    stage = QuotaStage(store, StoreMetrics(), [t], {})
+    stage = QuotaStage(store, RecordingMetrics(), [t], {})
 
     async def slow_body():
         for _ in range(4):
@@ -109,12 +102,39 @@ async def test_a_long_stream_keeps_its_lease_and_gives_it_back_at_the_end(monkey
 
 
 async def test_a_failing_store_serves_unmetered_and_counts():
-    class Broken(MemoryStore):
-        async def take(self, buckets, amounts):
-            raise StoreError("redis down")
-
-    metrics, t = StoreMetrics(), tenant(rpm=1)
-    stage = QuotaStage(Broken(), metrics, [t], {})
+    metrics, t = RecordingMetrics(), tenant(rpm=1)
+    stage = QuotaStage(DownStore(), metrics, [t], {})
     for _ in range(3):
         assert (await stage(ctx_for(t), answered({}))).status_code == 200
     assert metrics.store_errors.calls == [{"op": "reserve"}] * 3
+    assert metrics.unmetered.calls == [{"tenant": "acme"}] * 3
+
+
+async def test_a_refused_lease_is_a_429_even_when_its_refund_fails():
+    """Bug: a refused lease whose refund raised StoreError fell into the fail-open path and
+    was served over the tenant's stream cap."""
+
+    class RefundFails(MemoryStore):
+        async def adjust(self, bucket, delta):
+            raise StoreError("redis went away mid-request")
+
+    metrics, t = RecordingMetrics(), tenant(tpm=10_000, max_concurrent_streams=1)
+    store = RefundFails()
+    stage = QuotaStage(store, metrics, [t], {})
+    held = asyncio.Event()
+
+    async def holds_its_stream(ctx: RequestContext) -> Response:
+        await held.wait()
+        return Response(b"{}")
+
+    first = asyncio.create_task(stage(ctx_for(t), holds_its_stream))
+    await eventually_async(
+        lambda: store._data.get(TenantQuota.of(t).stream_key), timeout_s=2, what="the lease"
+    )
+    with pytest.raises(ForgeError) as info:
+        await stage(ctx_for(t), answered({}))
+    assert info.value.status == 429
+    assert metrics.shed.calls[-1] == {"tenant": "acme", "reason": "concurrency"}
+    assert {"op": "refund"} in metrics.store_errors.calls
+    held.set()
+    assert (await first).status_code == 200

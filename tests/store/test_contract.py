@@ -175,45 +175,16 @@ async def test_expired_lease_does_not_count_and_renew_extends(store: Store) -> N
     assert await store.acquire_lease("streams:t", "late", 2, 10) == (False, 2)
 
 
-# -- cache entries and counters -------------------------------------------------------------
-
-
-async def test_get_set_and_ttl_expiry(store: Store) -> None:
-    assert await store.get("cache:missing") is None
-    await store.set("cache:short", b"\x00answer", 0.2)
-    await store.set("cache:long", b"one", 10)
-    await store.set("cache:long", b"two", 10)
-    assert await store.get("cache:short") == b"\x00answer"
-    assert await store.get("cache:long") == b"two"
-    await asyncio.sleep(0.3)
-    assert await store.get("cache:short") is None
-    assert await store.get("cache:long") == b"two"
-
-
-async def test_counters_accumulate_and_expire(store: Store) -> None:
-    assert await store.read_counters("usage:t") == {}
-    await store.incr("usage:t", {"requests": 1, "prompt_tokens": 30}, 10)
-    await store.incr("usage:t", {"requests": 1, "completion_tokens": 7}, 10)
-    await store.incr("usage:t", {}, 10)
-    assert await store.read_counters("usage:t") == {
-        "requests": 2,
-        "prompt_tokens": 30,
-        "completion_tokens": 7,
-    }
-    await store.incr("usage:short", {"requests": 1}, 0.2)
-    await asyncio.sleep(0.3)
-    assert await store.read_counters("usage:short") == {}
-
-
 # -- errors ---------------------------------------------------------------------------------
 
 
 async def test_wrong_kind_of_key_is_a_store_error(store: Store) -> None:
-    await store.set("mixed", b"bytes", 10)
+    await store.acquire_lease("mixed", "a", 1, 10)
     with pytest.raises(StoreError):
         await store.take([Bucket("mixed", 10, 1)], [1])
+    await store.take([Bucket("bucket", 10, 1)], [1])
     with pytest.raises(StoreError):
-        await store.acquire_lease("mixed", "a", 1, 10)
+        await store.acquire_lease("bucket", "a", 1, 10)
 
 
 async def test_bad_arguments_are_value_errors(store: Store) -> None:
@@ -223,7 +194,7 @@ async def test_bad_arguments_are_value_errors(store: Store) -> None:
     with pytest.raises(ValueError):
         await store.take([b], [1, 2])
     with pytest.raises(ValueError):
-        await store.set("k", b"v", 0)
+        await store.acquire_lease("k", "a", 1, 0)
     with pytest.raises(ValueError):
         Bucket("k", -1, 1)
 

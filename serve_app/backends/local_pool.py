@@ -1,0 +1,108 @@
+"""A pool of in-process replicas: the real ``Replica`` and engine, called directly, no Serve.
+
+The in-process twin of ``PoolBackend`` for a gateway served without Ray (tests through httpx's
+``ASGITransport``, a profiler under uvicorn). Same items, same four timeouts, same
+``PoolControl`` answers; replicas are taken in turn, skipping the one a retry must avoid and any
+whose breaker is not closed. The routing policies run where they pay off, inside Serve's router
+(``routing/serve_router.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+
+from serve_app import errors
+from serve_app.backends.base import Timeouts, paced
+from serve_app.bridge import PoolBridge, replica_backend
+from serve_app.engines.base import EngineError, Kind
+from serve_app.replica import Replica
+from serve_app.resilience.breaker import State
+
+
+class LocalPoolBackend:
+    def __init__(
+        self,
+        name: str,
+        replicas: Sequence[Replica],
+        timeouts: Timeouts,
+        bridge: PoolBridge | None = None,
+    ) -> None:
+        self.name = name
+        self.pool = self
+        self.timeouts = timeouts
+        self.bridge = bridge or PoolBridge()
+        self.replicas = {r.replica_id: r for r in replicas}
+        if len(self.replicas) != len(replicas):
+            raise ValueError("local replicas need distinct replica_id values")
+        self.bridge.replica_ids = frozenset(self.replicas)
+        self._turn = itertools.count()
+
+    # -- PoolControl -------------------------------------------------------------------------
+
+    def replica_count(self) -> int | None:
+        return len(self.replicas)
+
+    def wake(self) -> None:
+        """In-process replicas are never scaled to zero."""
+
+    def avoid(self, request_id: str, replica_id: str) -> None:
+        self.bridge.avoid[request_id] = replica_id
+
+    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        return self.bridge.take_routed(request_id)
+
+    # -- Backend -----------------------------------------------------------------------------
+
+    def _route(self, request_id: str) -> Replica:
+        ids = sorted(self.replicas)
+        avoid, breakers = self.bridge.avoid.get(request_id), self.bridge.breakers
+        usable = [
+            rid
+            for rid in ids
+            if rid != avoid
+            and (
+                breakers is None or breakers.state(replica_backend(self.name, rid)) is State.CLOSED
+            )
+        ] or ids  # never all excluded: the pool's own breaker keeps traffic away
+        rid = usable[next(self._turn) % len(usable)]
+        self.bridge.note_routed(request_id, rid, probe=False)
+        return self.replicas[rid]
+
+    def _deadline(self, budget_s: float | None) -> float:
+        total = self.timeouts.total_s
+        return asyncio.get_running_loop().time() + min(total, budget_s or total)
+
+    async def stream(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> AsyncIterator[list]:
+        replica = self._route(request_id)
+        t = self.timeouts
+        source = replica.stream(body, kind, request_id)
+        try:
+            async for batch in paced(
+                source, t.first_token_s, t.idle_s, self._deadline(budget_s), "The model"
+            ):
+                yield batch
+        except errors.ForgeError:
+            raise
+        except EngineError as exc:
+            raise errors.bad_gateway(f"The model replica failed: {exc}") from exc
+        finally:
+            await source.aclose()  # the replica aborts the generation and frees its slot
+
+    async def complete(
+        self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
+    ) -> dict:
+        replica = self._route(request_id)
+        timeout = max(self._deadline(budget_s) - asyncio.get_running_loop().time(), 0)
+        try:
+            return await asyncio.wait_for(replica.complete(body, kind, request_id), timeout)
+        except TimeoutError:
+            raise errors.upstream_timeout("The model did not finish answering in time.") from None
+        except EngineError as exc:
+            raise errors.bad_gateway(f"The model replica failed: {exc}") from exc
+
+    async def ready(self) -> bool:
+        return bool(self.replicas)

@@ -1,0 +1,71 @@
+"""Where a gateway replica and its pools' request routers meet, in one process, without a hop.
+
+Serve builds a pool's ``RequestRouter`` itself, inside the process that holds the pool's handle
+(the gateway replica), from a class path and keyword arguments: no object can be handed to it.
+So the two sides need one agreed place to share state, and this module is that place, on
+purpose and nowhere else. It is keyed by application and pool, so two Forge applications (or
+two gateways in one test process) never see each other's state.
+
+What crosses it, per pool:
+
+- router → gateway: the replica ids Serve can route to now (zero means the pool is cold: serve
+  from the fallback at once and wake it), and which replica each request went to (a failure is
+  charged to that replica's breaker even when it died before saying who it was);
+- gateway → router: the replica a retry must avoid, and the gateway's breaker states, so an
+  open replica is never chosen and a half-open one gets exactly its one probe.
+
+``reset_bridges()`` forgets everything (tests that build several gateways in one process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serve_app.resilience.client import BreakerClient
+
+_MAX_ROUTED = 10_000  # entries of requests nobody collected (cancelled callers): forget them
+
+
+@dataclass(slots=True)
+class PoolBridge:
+    """One pool's shared state between the gateway and the pool's router."""
+
+    replica_ids: frozenset[str] | None = None  # None until Serve first told the router
+    # request id → (replica id, whether the request is that replica's half-open probe)
+    routed: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    # request id → the replica its first attempt failed on: its retry goes elsewhere
+    avoid: dict[str, str] = field(default_factory=dict)
+    # The gateway's view of the breakers; None until a gateway in this process installs it.
+    breakers: BreakerClient | None = None
+
+    def note_routed(self, request_id: str, replica_id: str, probe: bool) -> None:
+        if len(self.routed) >= _MAX_ROUTED:
+            self.routed.clear()
+        self.routed[request_id] = (replica_id, probe)
+
+    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        """Where an attempt went (once); its retry's ``avoid`` note is done with too."""
+        self.avoid.pop(request_id, None)
+        return self.routed.pop(request_id, None)
+
+
+_bridges: dict[tuple[str, str], PoolBridge] = {}
+
+
+def pool_bridge(app: str, pool: str) -> PoolBridge:
+    """The bridge of ``pool`` in application ``app`` (created on first use by either side)."""
+    bridge = _bridges.get((app, pool))
+    if bridge is None:
+        bridge = _bridges[(app, pool)] = PoolBridge()
+    return bridge
+
+
+def reset_bridges() -> None:
+    _bridges.clear()
+
+
+def replica_backend(pool: str, replica_id: str) -> str:
+    """A replica's name as a breaker backend (``primary/abc123``)."""
+    return f"{pool}/{replica_id}"

@@ -1,0 +1,67 @@
+"""The gateway as a Serve deployment: Serve handles wired into the gateway's typed seams.
+
+This is the only place that knows the gateway runs on Ray Serve: pools are reached through their
+handles (the pool's router, in this process, keeps its bridge current), the schedulers and the
+breaker board through typed clients over theirs.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.applications import Starlette
+
+from serve_app.auth import KeyRing
+from serve_app.backends.base import Backend
+from serve_app.backends.fallback import FallbackBackend
+from serve_app.backends.pool import PoolBackend, pool_timeouts
+from serve_app.bridge import pool_bridge
+from serve_app.config import ForgeConfig
+from serve_app.gateway import Gateway
+from serve_app.metrics import ForgeMetrics
+from serve_app.resilience.board import ServeBoard
+from serve_app.resilience.client import BreakerClient
+from serve_app.scheduler_deployment import ServeSchedulerClient
+from serve_app.store import build_store
+
+
+@serve.ingress()
+class GatewayIngress(Gateway):
+    def __init__(
+        self,
+        config: dict,
+        pools: dict[str, DeploymentHandle],
+        schedulers: dict[str, DeploymentHandle],
+        board: DeploymentHandle,
+    ) -> None:
+        forge = ForgeConfig.model_validate(config)
+        metrics = ForgeMetrics()
+        # Fails start-up, with the variable's name, if Redis is configured but unresolvable.
+        store = build_store(forge.store, on_state=lambda s: metrics.store_state.set(int(s)))
+        breakers = BreakerClient(
+            ServeBoard(board),
+            forge.resilience.sync_interval_s,
+            on_board_error=lambda op: metrics.board_errors.inc(tags={"op": op}),
+        )
+        app = serve.get_replica_context().app_name
+        backends: dict[str, Backend] = {}
+        for pool in forge.pools:
+            bridge = pool_bridge(app, pool.name)
+            bridge.breakers = breakers  # what the pool's router reads in this process
+            backends[pool.name] = PoolBackend(
+                pool.name, pools[pool.name], pool_timeouts(pool), bridge
+            )
+        if forge.fallback is not None:
+            backends["fallback"] = FallbackBackend(forge.fallback)  # a missing key stops start-up
+        super().__init__(
+            forge,
+            keyring=KeyRing.from_config(forge),
+            store=store,
+            metrics=metrics,
+            backends=backends,
+            schedulers={name: ServeSchedulerClient(h) for name, h in schedulers.items()},
+            breakers=breakers,
+        )
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return self.asgi_app()

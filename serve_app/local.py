@@ -1,0 +1,129 @@
+"""The gateway wired in one process, without Ray: real parts, in-process implementations.
+
+Every seam gets its in-process implementation: the pools run real ``Replica`` objects and their
+engines (``LocalPoolBackend``), each pool with admission gets its own ``FairScheduler``
+(``LocalSchedulerClient``), the breakers live in a ``BreakerBoard`` in this process, and the
+store is whatever the config says (embedded, or Redis). The fallback is real HTTP unless a
+transport is given (an ASGI app, for tests). What this cannot show is what only Serve does: the
+routing policies, autoscaling, several gateway replicas sharing one budget.
+
+    python -m serve_app.local configs/local.yaml --port 8001
+
+serves the ``forge`` application of a Serve config file with uvicorn (a profiler's view of the
+gateway alone, or a laptop without Ray).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+import httpx
+
+from serve_app.auth import KeyRing
+from serve_app.backends.base import Backend
+from serve_app.backends.credentials import Credentials
+from serve_app.backends.fallback import FallbackBackend
+from serve_app.backends.local_pool import LocalPoolBackend
+from serve_app.backends.pool import pool_timeouts
+from serve_app.bridge import PoolBridge
+from serve_app.config import ForgeConfig, PoolConfig
+from serve_app.gateway import Gateway
+from serve_app.metrics import ForgeMetrics
+from serve_app.replica import Replica
+from serve_app.resilience.board import BreakerBoard
+from serve_app.resilience.client import BreakerClient
+from serve_app.resilience.settings import breaker_settings
+from serve_app.scheduler_client import LocalSchedulerClient, fair_scheduler
+from serve_app.store import Store, build_store
+
+
+def build_local_gateway(
+    config: ForgeConfig,
+    *,
+    store: Store | None = None,
+    metrics: ForgeMetrics | None = None,
+    fallback_transport: httpx.AsyncBaseTransport | None = None,
+    fallback_credentials: Credentials | None = None,
+    board: BreakerBoard | None = None,
+) -> Gateway:
+    """A ``Gateway`` whose collaborators all live in this process (see the module docstring).
+
+    ``board`` may be shared by several local gateways, as gateway replicas share the board
+    deployment; ``store`` overrides the config's.
+    """
+    metrics = metrics or ForgeMetrics()
+    if store is None:
+        store = build_store(config.store, on_state=lambda s: metrics.store_state.set(int(s)))
+    board = board or BreakerBoard(breaker_settings(config.resilience.breaker))
+    breakers = BreakerClient(board, config.resilience.sync_interval_s)
+    backends: dict[str, Backend] = {}
+    for pool in config.pools:
+        bridge = PoolBridge(breakers=breakers)
+        backends[pool.name] = LocalPoolBackend(
+            pool.name, local_replicas(pool), pool_timeouts(pool), bridge
+        )
+    if config.fallback is not None:
+        backends["fallback"] = FallbackBackend(
+            config.fallback, transport=fallback_transport, credentials=fallback_credentials
+        )
+    schedulers = {
+        pool.name: LocalSchedulerClient(
+            fair_scheduler(pool.admission, config.tenants), pool.admission.deadline_s
+        )
+        for pool in config.pools
+        if pool.admission is not None
+    }
+    return Gateway(
+        config,
+        keyring=KeyRing.from_config(config),
+        store=store,
+        metrics=metrics,
+        backends=backends,
+        schedulers=schedulers,
+        breakers=breakers,
+    )
+
+
+def local_replicas(pool: PoolConfig) -> list[Replica]:
+    """The pool's replicas in this process: ``deployment.num_replicas`` of them (at least 1)."""
+    count = max(1, int(pool.deployment.get("num_replicas") or 1))
+    replicas = []
+    for i in range(count):
+        replica = Replica(pool.model_dump())
+        replica.replica_id = f"{pool.name}-{i}"
+        replicas.append(replica)
+    return replicas
+
+
+def _forge_args(serve_config: Mapping, app: str) -> dict:
+    for application in serve_config.get("applications", []):
+        if application.get("name") == app:
+            env = (application.get("runtime_env") or {}).get("env_vars") or {}
+            for name, value in env.items():
+                os.environ.setdefault(name, str(value))
+            return application.get("args") or {}
+    raise SystemExit(f"no application named {app!r} in the config")
+
+
+def main() -> None:
+    import uvicorn
+    import yaml
+
+    from serve_app.config import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="a Ray Serve config file (configs/local.yaml)")
+    parser.add_argument("--app", default="forge")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    args = parser.parse_args()
+    with open(args.config) as f:
+        config = load_config(_forge_args(yaml.safe_load(f), args.app))
+    gateway = build_local_gateway(config)
+    uvicorn.run(gateway.asgi_app(), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Relaying a backend's stream to the client once its first batch has arrived.
+
+The response is committed then (headers sent), so whatever happens next ends the stream
+honestly: ``[DONE]`` after the last frame, or an SSE error event, never a silent truncation and
+never text repeated or spliced from another backend. How it ended is reported once through
+``on_end`` (for the attempt's breakers); a client that leaves mid-stream is no verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from serve_app import errors, sse
+from serve_app.pipeline import RequestContext
+from serve_app.resilience.breaker import Outcome
+from serve_app.resilience.outcomes import classify
+
+logger = logging.getLogger("ray.serve")
+
+
+async def relay(
+    ctx: RequestContext,
+    head: bytes,
+    stream: AsyncIterator[list],
+    on_end: Callable[[Outcome], None],
+) -> AsyncIterator[bytes]:
+    """``head`` (the first batch's frames), then the rest of ``stream``, then ``[DONE]``."""
+    outcome = Outcome.NEUTRAL  # unless it ends one way or the other: the client left
+    try:
+        if head:
+            ctx.first_byte_at = time.perf_counter()
+            yield head
+        async for batch in stream:
+            out = take_frames(ctx, batch)
+            if out:
+                if ctx.first_byte_at is None:
+                    ctx.first_byte_at = time.perf_counter()
+                yield out
+        outcome = Outcome.SUCCESS
+        yield sse.DONE
+    except errors.ForgeError as err:
+        outcome = classify(err)
+        ctx.stream_error = err.message
+        yield errors.error_event(err)
+    except Exception:
+        # Headers are sent: the only honest end left is an error event, never a truncation.
+        logger.exception("stream %s failed after its first byte", ctx.request_id)
+        outcome = Outcome.FAILURE
+        err = errors.bad_gateway("The stream failed after it started.")
+        ctx.stream_error = err.message
+        yield errors.error_event(err)
+    finally:
+        on_end(outcome)
+        await stream.aclose()
+
+
+def take_frames(ctx: RequestContext, batch: list) -> bytes:
+    """The frames of a batch as one write; metadata items are kept on the context."""
+    frames = []
+    for item in batch:
+        if type(item) is bytes:
+            frames.append(item)
+            ctx.frames_sent += 1
+        elif "usage" in item:
+            ctx.usage = item["usage"]
+        elif "replica" in item:
+            ctx.replica = item["replica"]
+    return b"".join(frames)

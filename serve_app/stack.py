@@ -1,0 +1,103 @@
+"""The one place that lists the request path, in order, as Starlette's ``build_middleware_stack``.
+
+``build_pipeline`` returns the ordered stages of an inference request and composes them around
+dispatch; ``/v1/models`` reuses the same first stages (request id, telemetry, auth) rather than
+a second hand-written list. The order is DESIGN.md's, and each position has a reason:
+
+1. request id: every log line, backend call and response carries it;
+2. telemetry, right after it: every outcome, a 401 included, is logged and counted once;
+3. auth: anonymous traffic costs a hash and never touches the store;
+4. parse: the body is read under its limit and validated only for a known tenant;
+5. quota: a tenant out of budget is out even for an answer that would be cached;
+6. (the response cache goes here: a hit costs no slot and no backend);
+7. fair admission: a slot of the pool, only for requests that will reach it;
+8. dispatch: a backend past its breaker, one retry before the first byte; its ``usage`` settles
+   the quota and is metered when the response ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from serve_app.auth import KeyRing
+from serve_app.backends.base import Backend
+from serve_app.config import ForgeConfig
+from serve_app.metrics import ForgeMetrics
+from serve_app.pipeline import Handler, Stage, compose
+from serve_app.resilience.client import BreakerClient
+from serve_app.resilience.retry_budget import RetryBudget
+from serve_app.resilience.settings import retry_budget_settings
+from serve_app.scheduler_client import SchedulerClient
+from serve_app.stages.admission import AdmissionStage
+from serve_app.stages.authenticate import AuthStage
+from serve_app.stages.dispatch import Dispatch
+from serve_app.stages.parse import ParseStage
+from serve_app.stages.quota import QuotaStage
+from serve_app.stages.request_id import RequestIdStage
+from serve_app.stages.telemetry import TelemetryStage
+from serve_app.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    inference: Handler  # /v1/chat/completions, /v1/completions
+    listing: Handler  # /v1/models
+    stages: tuple[Stage, ...]  # the inference stages, in order (for docs, tests and traces)
+
+
+def build_pipeline(
+    config: ForgeConfig,
+    *,
+    keyring: KeyRing,
+    store: Store,
+    metrics: ForgeMetrics,
+    routes: Mapping[str, Sequence[Backend]],
+    schedulers: Mapping[str, SchedulerClient],
+    breakers: BreakerClient | None,
+    list_models: Handler,
+) -> Pipeline:
+    """The request path. ``routes``: model → its backends in order of preference;
+    ``schedulers``: pool name → the client of its scheduler (pools with admission only)."""
+    front: list[Stage] = [RequestIdStage(), TelemetryStage(metrics), AuthStage(keyring)]
+    admitted = [p for p in config.pools if p.admission is not None and p.name in schedulers]
+    stages: list[Stage] = [
+        *front,
+        ParseStage(config.gateway.max_body_bytes),
+        QuotaStage(
+            store,
+            metrics,
+            config.tenants,
+            {p.model: p.default_max_tokens for p in config.pools},
+        ),
+        AdmissionStage(
+            {p.model: schedulers[p.name] for p in admitted},
+            {p.model: p.admission.deadline_s for p in admitted},
+            metrics,
+        ),
+    ]
+    dispatch = Dispatch(
+        dict(routes),
+        breakers,
+        RetryBudget(retry_budget_settings(config.resilience.retry_budget)),
+        metrics,
+    )
+    return Pipeline(
+        inference=compose(stages, dispatch),
+        listing=compose(front, list_models),
+        stages=tuple(stages),
+    )
+
+
+def model_routes(config: ForgeConfig, backends: Mapping[str, Backend]) -> dict[str, list[Backend]]:
+    """Model → backends in order: its pool, then the fallback where the pool allows it; the
+    fallback's own model name is served by the fallback alone."""
+    fallback = backends.get("fallback")
+    routes: dict[str, list[Backend]] = {}
+    for pool in config.pools:
+        routes[pool.model] = [backends[pool.name]]
+        if fallback is not None and pool.fallback:
+            routes[pool.model].append(fallback)
+    if fallback is not None and config.fallback is not None:
+        routes.setdefault(config.fallback.model, [fallback])
+    return routes
