@@ -2,6 +2,8 @@
 
 Every stage records through this one object; names follow the design card (``forge_*``; Ray's
 exporter adds its ``ray_`` namespace in Prometheus). Tag values are strings, always all set.
+``counter``/``gauge``/``histogram`` are how every other module declares its own series, so a
+series is one line wherever it lives.
 """
 
 from __future__ import annotations
@@ -29,83 +31,93 @@ _LATENCY_BUCKETS = [
 ]
 
 
+def counter(name: str, description: str, *tags: str) -> Counter:
+    return Counter(name, description=description, tag_keys=tags)
+
+
+def gauge(name: str, description: str, *tags: str) -> Gauge:
+    return Gauge(name, description=description, tag_keys=tags)
+
+
+def histogram(name: str, description: str, *tags: str) -> Histogram:
+    return Histogram(name, description=description, boundaries=_LATENCY_BUCKETS, tag_keys=tags)
+
+
 class ForgeMetrics:
     def __init__(self) -> None:
-        self.requests = Counter(
+        self.requests = counter(
             "forge_requests_total",
-            description="Requests by tenant, route, serving backend and HTTP status.",
-            tag_keys=("tenant", "route", "backend", "status"),
+            "Requests by tenant, route, serving backend and HTTP status.",
+            *("tenant", "route", "backend", "status"),
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "forge_ttft_seconds",
-            description="Time from request arrival to the first byte of the answer.",
-            boundaries=_LATENCY_BUCKETS,
-            tag_keys=("route", "backend"),
+            "Time from request arrival to the first byte of the answer.",
+            *("route", "backend"),
         )
-        self.duration = Histogram(
+        self.duration = histogram(
             "forge_request_duration_seconds",
-            description="Time from request arrival to the end of the answer.",
-            boundaries=_LATENCY_BUCKETS,
-            tag_keys=("route", "backend"),
+            "Time from request arrival to the end of the answer.",
+            *("route", "backend"),
         )
-        self.tokens = Counter(
+        self.tokens = counter(
             "forge_tokens_total",
-            description="Tokens by tenant and kind (prompt, completion), from backend usage.",
-            tag_keys=("tenant", "kind"),
+            "Tokens by tenant and kind (prompt, completion), from backend usage.",
+            *("tenant", "kind"),
         )
 
-        self.shed = Counter(
+        self.shed = counter(
             "forge_shed_total",
-            description="Requests refused to protect capacity, by tenant and reason.",
-            tag_keys=("tenant", "reason"),
+            "Requests refused to protect capacity, by tenant and reason.",
+            *("tenant", "reason"),
         )
-        self.store_errors = Counter(
+        self.store_errors = counter(
             "forge_store_errors_total",
-            description="Store calls that failed or were skipped (store known down), by op.",
-            tag_keys=("op",),
+            "Store calls that failed or were skipped (store known down), by op.",
+            "op",
         )
-        self.unmetered = Counter(
+        self.unmetered = counter(
             "forge_unmetered_total",
-            description="Requests served without a budget check because the store failed.",
-            tag_keys=("tenant",),
+            "Requests served without a budget check because the store failed.",
+            "tenant",
         )
-        self.store_state = Gauge(
+        self.store_state = gauge(
             "forge_store_breaker_state",
-            description="The store's breaker in this gateway: 0 closed, 1 probing, 2 skipped.",
+            "The store's breaker in this gateway: 0 closed, 1 probing, 2 skipped.",
         )
 
-        self.admitted = Counter(
+        self.admitted = counter(
             "forge_admitted_total",
-            description="Requests granted a slot by fair admission, by tenant.",
-            tag_keys=("tenant",),
+            "Requests granted a slot by fair admission, by tenant.",
+            "tenant",
         )
-        self.admission_errors = Counter(
+        self.admission_errors = counter(
             "forge_admission_errors_total",
-            description="Scheduler calls that failed; the request was admitted (fail open).",
+            "Scheduler calls that failed; the request was admitted (fail open).",
         )
 
-        self.retries = Counter(
+        self.retries = counter(
             "forge_retries_total",
-            description="Second attempts before the first byte, by the backend retried on.",
-            tag_keys=("backend",),
+            "Second attempts before the first byte, by the backend retried on.",
+            "backend",
         )
-        self.retries_denied = Counter(
+        self.retries_denied = counter(
             "forge_retries_denied_total",
-            description="Retries the retry budget refused (the client got the first failure).",
+            "Retries the retry budget refused (the client got the first failure).",
         )
-        self.retry_budget = Gauge(
+        self.retry_budget = gauge(
             "forge_retry_budget_remaining",
-            description="Retries this gateway replica may still spend in the budget's window.",
+            "Retries this gateway replica may still spend in the budget's window.",
         )
-        self.backend_skipped = Counter(
+        self.backend_skipped = counter(
             "forge_backend_skipped_total",
-            description="Backends routed around without a try, by reason (breaker open, cold).",
-            tag_keys=("backend", "reason"),
+            "Backends routed around without a try, by reason (breaker open, cold).",
+            *("backend", "reason"),
         )
-        self.board_errors = Counter(
+        self.board_errors = counter(
             "forge_breaker_board_errors_total",
-            description="Breaker board calls that failed; the last known states were used.",
-            tag_keys=("op",),
+            "Breaker board calls that failed; the last known states were used.",
+            "op",
         )
 
     def record(

@@ -14,9 +14,9 @@ import asyncio
 from collections.abc import Sequence
 
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Gauge
 
 from serve_app.config import AdmissionConfig, TenantConfig
+from serve_app.metrics import gauge
 from serve_app.scheduler_client import Lease, LocalSchedulerClient, fair_scheduler
 
 _EXPORT_EVERY_S = 1.0
@@ -30,16 +30,13 @@ class SchedulerDeployment:
             fair_scheduler(config, map(TenantConfig.model_validate, tenants)), config.deadline_s
         )
         self.scheduler = self.local.scheduler
-        self._queue_depth = Gauge(
+        self._queue_depth = gauge(
             "forge_queue_depth",
-            description="Requests waiting for a slot, by pool and tenant.",
-            tag_keys=("pool", "tenant"),
+            "Requests waiting for a slot, by pool and tenant.",
+            "pool",
+            "tenant",
         )
-        self._slots = Gauge(
-            "forge_slots_in_use",
-            description="Admission slots held, by pool.",
-            tag_keys=("pool",),
-        )
+        self._slots = gauge("forge_slots_in_use", "Admission slots held, by pool.", "pool")
         self._housekeeping: asyncio.Task | None = None
 
     def _ensure_housekeeping(self) -> None:

@@ -11,8 +11,9 @@ the drills; this is the general form, for tests.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -32,15 +33,11 @@ def eventually(
     condition that holds. Past it, an ``AssertionError`` names ``what`` was awaited and, if
     given, what ``explain()`` shows then (the state that did not get there).
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = condition()
-        if result:
+    for _ in _until(timeout_s, what, explain):
+        if result := condition():
             return result
-        if time.monotonic() >= deadline:
-            detail = f"; last seen: {explain()!r}" if explain is not None else ""
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{detail}")
         time.sleep(interval_s)
+    raise AssertionError("unreachable")
 
 
 async def eventually_async(
@@ -49,15 +46,21 @@ async def eventually_async(
     timeout_s: float,
     what: str,
     interval_s: float = 0.01,
+    explain: Callable[[], object] | None = None,
 ) -> T:
     """``eventually`` inside an event loop: polls without blocking the tasks it waits for."""
-    import asyncio
+    for _ in _until(timeout_s, what, explain):
+        if result := condition():
+            return result
+        await asyncio.sleep(interval_s)
+    raise AssertionError("unreachable")
 
+
+def _until(timeout_s: float, what: str, explain: Callable[[], object] | None) -> Iterator[None]:
+    """Yields once per poll; once the deadline has passed and the last poll failed, raises."""
     deadline = time.monotonic() + timeout_s
     while True:
-        result = condition()
-        if result:
-            return result
+        yield
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        await asyncio.sleep(interval_s)
+            detail = f"; last seen: {explain()!r}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{detail}")

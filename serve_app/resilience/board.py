@@ -147,22 +147,22 @@ class BoardMetrics:
     """The board's series: one writer, so a backend's state is one series, not one per gateway."""
 
     def __init__(self) -> None:
-        from ray.serve.metrics import Counter, Gauge
+        from serve_app.metrics import counter, gauge
 
-        self.state = Gauge(
+        self.state = gauge(
             "forge_breaker_state",
-            description="Circuit breaker state per backend: 0 closed, 1 half-open, 2 open.",
-            tag_keys=("backend",),
+            "Circuit breaker state per backend: 0 closed, 1 half-open, 2 open.",
+            "backend",
         )
-        self.transitions = Counter(
+        self.transitions = counter(
             "forge_breaker_transitions_total",
-            description="Circuit breaker transitions per backend, by the state entered.",
-            tag_keys=("backend", "to"),
+            "Circuit breaker transitions per backend, by the state entered.",
+            *("backend", "to"),
         )
-        self.probes = Counter(
+        self.probes = counter(
             "forge_breaker_probes_total",
-            description="Half-open probes let through, per backend (one per half-open period).",
-            tag_keys=("backend",),
+            "Half-open probes let through, per backend (one per half-open period).",
+            "backend",
         )
 
 

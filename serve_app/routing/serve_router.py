@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.serve.metrics import Counter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import tokenizer
 from serve_app.block_hashes import prefix_block_hashes
 from serve_app.bridge import pool_bridge, replica_backend
+from serve_app.metrics import counter
 from serve_app.protocol import prompt_text
 from serve_app.resilience.breaker import Admit, State
 from serve_app.routing.base import (
@@ -61,18 +61,18 @@ class ForgeRequestRouter(RequestRouter):
         self.pool = pool.removeprefix("pool-")
         self.bridge = pool_bridge(self._deployment_id.app_name, self.pool)
         self._probes: dict[str, str] = {}  # request id → the open replica it is the probe of
-        self._routed = Counter(
+        self._routed = counter(
             "forge_routed_total",
-            description="Requests routed to each replica of a pool, by policy.",
-            tag_keys=("pool", "policy", "target"),
+            "Requests routed to each replica of a pool, by policy.",
+            *("pool", "policy", "target"),
         )
-        self._spillovers = Counter(
+        self._spillovers = counter(
             "forge_route_spillovers_total",
-            description="Requests whose preferred replica was over the load bound.",
-            tag_keys=("pool", "policy"),
+            "Requests whose preferred replica was over the load bound.",
+            *("pool", "policy"),
         )
-        for counter in (self._routed, self._spillovers):
-            counter.set_default_tags({"pool": pool, "policy": policy})
+        for series in (self._routed, self._spillovers):
+            series.set_default_tags({"pool": pool, "policy": policy})
         self.route_blocks = route_blocks
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

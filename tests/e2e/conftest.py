@@ -8,12 +8,13 @@ import os
 import shutil
 import socket
 import subprocess
-import time
+from collections.abc import Iterable
 
 import httpx
 import pytest
 
 from loadtest import fairness, inprocess
+from tests.polling import eventually
 
 APP = "forge"
 ALPHA_KEY = "sk-test-alpha"
@@ -49,6 +50,7 @@ REALISTIC = fairness.ENGINE
 SYNC_INTERVAL_S = 0.2  # how soon gateway replicas hear of a breaker change
 BREAKER_THRESHOLD = 3
 COLD_POOL = "cold"  # starts at zero replicas
+GATEWAY = "gateway"  # the ingress deployment's name (serve_app/app.py)
 
 
 def forge_args(port: int, redis_url: str | None) -> dict:
@@ -186,16 +188,20 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        eventually(
+            self._answers_ping,
+            timeout_s=10,
+            interval_s=0.05,
+            what=f"redis-server on port {self.port} to answer PING",
+        )
+
+    def _answers_ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -287,8 +293,52 @@ def faults(forge_url):
         with contextlib.suppress(Exception):  # a replica a test killed may still be listed
             replica_admin.set_fault_all(APP, deployment, None)
     if touched:  # the next test starts with every backend trusted again
+        # Every breaker the board knows: any state a gateway replica holds came from the board.
+        known = list(replica_admin.describe_breakers(APP))
         replica_admin.reset_breakers(APP)
-        time.sleep(3 * SYNC_INTERVAL_S)
+        eventually(
+            lambda: breakers_closed_everywhere(known),
+            timeout_s=10,
+            what="the board and every gateway replica's copy to show all breakers closed",
+            explain=lambda: (replica_admin.breaker_states(APP), gateway_breaker_states(known)),
+        )
+
+
+def gateway_breaker_states(backends: Iterable[str]) -> list[dict[str, int]]:
+    """Each gateway replica's own copy of these breakers: 0 closed, 1 half-open, 2 open. It is
+    what its requests and its pools' routers act on, up to a sync interval behind the board.
+
+    The copy lives in the gateway replica's process and nowhere else, so that is where this
+    looks: Ray's ``__ray_call__`` runs a function on the replica's actor, and Serve's replica
+    context holds the ``Gateway`` it serves. The function is defined in here so that it is
+    pickled by value (the gateway's process cannot import the tests).
+    """
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from serve_app import replica_admin
+
+    def read_copy(_actor, backends: list[str]) -> dict[str, int]:
+        from ray import serve
+
+        breakers = serve.get_replica_context().servable_object.breakers
+        return {b: int(breakers.state(b)) for b in backends}
+
+    actors = [
+        ray.get_actor(f"SERVE_REPLICA::{APP}#{GATEWAY}#{rid}", namespace=SERVE_NAMESPACE)
+        for rid in replica_admin.replica_ids(APP, GATEWAY)
+    ]
+    backends = list(backends)
+    return ray.get([a.__ray_call__.remote(read_copy, backends) for a in actors], timeout=10)
+
+
+def breakers_closed_everywhere(backends: Iterable[str]) -> bool:
+    """Nothing open or half-open on the board, nor in any gateway replica's copy of it."""
+    from serve_app import replica_admin
+
+    if replica_admin.breaker_states(APP):
+        return False
+    return not any(any(copy.values()) for copy in gateway_breaker_states(backends))
 
 
 @pytest.fixture

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from serve_app import replica_admin
 from tests.e2e.conftest import APP
+from tests.polling import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -28,11 +27,37 @@ def _hits(deployment: str, replica: str) -> int:
     return replica_admin.stats(APP, deployment, replica)["prefix_cache_hits"]
 
 
+_REPORTED = ("prefix_cache_queries", "num_requests_running", "num_requests_waiting")
+
+
+def _last_report(metric, replica: str) -> dict[str, float]:
+    """Part of ``replica``'s last routing-stats report, as its gauges export it: a replica sets
+    them in the very call in which Serve's controller pulls the report, and the controller
+    pushes a changed report to every router as it gets it."""
+    return {name: metric(f"forge_engine_{name}", f'replica="{replica}"') for name in _REPORTED}
+
+
+def _warm_and_idle(report: dict[str, float]) -> bool:
+    """Taken after the first request was done: its prefix cache was queried (so the prompt's
+    blocks are in the report), and nothing runs or waits."""
+    busy = report["num_requests_running"] or report["num_requests_waiting"]
+    return report["prefix_cache_queries"] > 0 and not busy
+
+
 @pytest.mark.parametrize("policy", ["prefix-affinity", "kv-aware"])
-def test_a_shared_prefix_lands_on_the_replica_that_caches_it(openai_client, policy):
+def test_a_shared_prefix_lands_on_the_replica_that_caches_it(openai_client, metric, policy):
     deployment, model = f"pool-{policy}", f"forge-{policy}"
     first = _ask(openai_client, model, "what is rule 3?")
-    time.sleep(0.6)  # replicas report their cache state every 0.2 s (kv_aware reads it)
+    # Routers read replicas' reports (every 0.2 s): kv_aware finds the prefix in them, and both
+    # policies read a replica's load there (a report from mid-request shows the warm replica
+    # busy, and a busy warm replica can lose to an idle cold one).
+    eventually(
+        lambda: _warm_and_idle(_last_report(metric, first)),
+        timeout_s=10,
+        interval_s=0.2,
+        what=f"a routing-stats report of {first} ({policy}) showing its prefix cached, idle",
+        explain=lambda: _last_report(metric, first),
+    )
     hits_before = _hits(deployment, first)
     followers = {_ask(openai_client, model, f"and rule {i}?") for i in range(4)}
     assert followers == {first}, "every request with the prefix went to the warm replica"
