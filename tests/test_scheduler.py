@@ -8,16 +8,9 @@ import pickle
 import pytest
 
 from serve_app.scheduler import FairScheduler, Grant, Shed, TenantShare
+from tests.doubles import Clock
 
 LONG = 60.0  # a deadline no test reaches: these tests assert order and counts, not wall-clock
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def settle() -> None:
@@ -43,7 +36,7 @@ def max_run(seq: list[str], item: str) -> int:
 
 
 async def test_fast_path_grants_a_lease_at_once():
-    sched = FairScheduler(2, lease_ttl_s=30, clock=FakeClock(100.0))
+    sched = FairScheduler(2, lease_ttl_s=30, clock=Clock(100.0))
     grant = await sched.acquire("acme", deadline_s=LONG)
     assert grant.tenant == "acme" and grant.tier == "interactive"
     assert (grant.granted_at, grant.expires_at) == (100.0, 130.0)
@@ -144,7 +137,7 @@ async def test_release_is_idempotent_and_ignores_unknown_leases():
 
 
 async def test_expired_leases_are_reclaimed_counted_and_handed_to_waiters():
-    clock = FakeClock()
+    clock = Clock()
     sched = FairScheduler(1, lease_ttl_s=10, clock=clock)
     grant = await sched.acquire("dead", deadline_s=LONG)
     clock.now = 5
@@ -167,7 +160,7 @@ async def test_expired_leases_are_reclaimed_counted_and_handed_to_waiters():
 
 
 async def test_acquire_reclaims_expired_leases_lazily():
-    clock = FakeClock()
+    clock = Clock()
     sched = FairScheduler(1, lease_ttl_s=10, clock=clock)
     await sched.acquire("dead", deadline_s=LONG)
     clock.now = 11
@@ -329,7 +322,7 @@ async def test_snapshot_reports_depths_inflight_slots_and_counters():
 
 
 async def test_retry_after_is_positive_and_follows_hold_time_and_queue():
-    clock = FakeClock()
+    clock = Clock()
     sched = FairScheduler(2, default_tenant=TenantShare(queue_cap=3), clock=clock)
     first = await sched.acquire("t", deadline_s=LONG)
     await sched.acquire("t", deadline_s=LONG)

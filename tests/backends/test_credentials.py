@@ -21,16 +21,9 @@ from serve_app.backends.credentials import (
 from serve_app.config import FallbackConfig
 from serve_app.errors import ForgeError
 from tests.backends.loopback import TOKEN_PATH, FakeMetadataServer, refused_url, serve_on_loopback
+from tests.doubles import Clock
 
 KEY_ENV = "FORGE_TEST_CREDENTIALS_KEY"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # --- StaticKey -------------------------------------------------------------------------------
@@ -87,8 +80,8 @@ async def metadata() -> AsyncIterator[tuple[FakeMetadataServer, Callable[..., Gc
     sources: list[GcpMetadataToken] = []
     async with serve_on_loopback(server.app) as url:
 
-        def make(clock: FakeClock | None = None, token_url: str = url + TOKEN_PATH):
-            source = GcpMetadataToken(token_url, clock=clock or FakeClock())
+        def make(clock: Clock | None = None, token_url: str = url + TOKEN_PATH):
+            source = GcpMetadataToken(token_url, clock=clock or Clock(1000.0))
             sources.append(source)
             return source
 
@@ -105,7 +98,7 @@ async def test_token_is_fetched_with_the_metadata_flavor_header(metadata):
 
 async def test_token_is_cached_across_requests(metadata):
     server, make = metadata
-    clock = FakeClock()
+    clock = Clock(1000.0)
     source = make(clock)
     for _ in range(5):
         assert await source.headers() == {"authorization": "Bearer token-1"}
@@ -115,7 +108,7 @@ async def test_token_is_cached_across_requests(metadata):
 
 async def test_token_is_refreshed_five_minutes_before_expiry(metadata):
     server, make = metadata
-    clock = FakeClock()
+    clock = Clock(1000.0)
     source = make(clock)
     assert await source.headers() == {"authorization": "Bearer token-1"}
     clock.now += server.expires_in - REFRESH_MARGIN_S - 1
@@ -129,7 +122,7 @@ async def test_a_short_lived_token_is_refreshed_at_half_life(metadata):
     """A token living less than the margin would otherwise be refetched on every request."""
     server, make = metadata
     server.expires_in = 200
-    clock = FakeClock()
+    clock = Clock(1000.0)
     source = make(clock)
     assert await source.headers() == {"authorization": "Bearer token-1"}
     clock.now += 99
@@ -203,7 +196,7 @@ async def test_concurrent_callers_share_a_failed_refresh_too(metadata):
 
 async def test_a_failed_refresh_keeps_the_valid_token_and_retries_later(metadata):
     server, make = metadata
-    clock = FakeClock()
+    clock = Clock(1000.0)
     source = make(clock)
     assert await source.headers() == {"authorization": "Bearer token-1"}
     server.fail_with = 500
@@ -220,7 +213,7 @@ async def test_a_failed_refresh_keeps_the_valid_token_and_retries_later(metadata
 
 async def test_an_expired_token_is_never_sent(metadata):
     server, make = metadata
-    clock = FakeClock()
+    clock = Clock(1000.0)
     source = make(clock)
     await source.headers()
     server.fail_with = 503
@@ -232,7 +225,7 @@ async def test_an_expired_token_is_never_sent(metadata):
 
 async def test_tokens_never_reach_the_logs(metadata, caplog):
     server, make = metadata
-    clock = FakeClock()
+    clock = Clock(1000.0)
     source = make(clock)
     with caplog.at_level(logging.DEBUG):
         await source.headers()

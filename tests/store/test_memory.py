@@ -10,22 +10,12 @@ from serve_app.config import StoreConfig
 from serve_app.store import Bucket, MemoryStore, build_store
 from serve_app.store.base import MIN_BUCKET_TTL_S
 from serve_app.store.memory import SWEEP_INTERVAL_S
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.doubles import Clock
 
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(1000.0)
 
 
 @pytest.fixture
