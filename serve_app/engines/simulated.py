@@ -62,7 +62,14 @@ class SimulatedEngine(Engine):
         return ids, tokens
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
-        ids = tokenizer.encode(prompt_text(body, kind))
+        field = "messages" if kind == "chat" else "prompt"
+        try:
+            ids = tokenizer.encode(prompt_text(body, kind))
+        except (KeyError, IndexError, TypeError, AttributeError):
+            # vLLM validates the body with its own request model: a 400 naming the field.
+            raise errors.invalid_request(
+                f"'{field}' is missing or malformed.", param=field
+            ) from None
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         max_tokens = max_tokens or self.default_max_tokens
         limit = self.config.max_model_len
@@ -73,7 +80,7 @@ class SimulatedEngine(Engine):
                 f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
                 f"{max_tokens} in the completion). Please reduce the length of the messages "
                 "or completion.",
-                param="messages" if kind == "chat" else "prompt",
+                param=field,
                 code="context_length_exceeded",
             )
         return ids, max_tokens

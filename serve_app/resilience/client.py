@@ -50,6 +50,7 @@ class BreakerClient:
         self._urgent = asyncio.Event()
         self._asking: set[str] = set()  # probe grants being asked for from this replica
         self._task: asyncio.Task | None = None
+        self._closed = False
 
     # -- reads (the request path) ------------------------------------------------------------
 
@@ -141,11 +142,11 @@ class BreakerClient:
     # -- background sync ---------------------------------------------------------------------
 
     def _ensure_running(self) -> None:
-        if self._task is None and self._board is not None:
+        if self._task is None and self._board is not None and not self._closed:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        while not self._closed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), self._interval)
             self._urgent.clear()
@@ -160,7 +161,12 @@ class BreakerClient:
             self._on_board_error(op)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        """Stop the sync loop. A cancel that lands as one of its ``wait_for`` calls completes
+        is swallowed on Python 3.11, so the loop also checks ``_closed`` and is cancelled again
+        until it is done."""
+        self._closed = True
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()
+            self._urgent.set()
+            await asyncio.wait([task], timeout=0.1)

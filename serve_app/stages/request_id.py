@@ -12,7 +12,7 @@ from serve_app.pipeline import Handler, RequestContext
 
 HEADER = "x-request-id"
 # A client's id is echoed into headers and logs: accept only a conservative shape.
-_ACCEPTABLE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_ACCEPTABLE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def mint() -> str:
@@ -32,10 +32,10 @@ class RequestIdStage:
         if serve_id:
             # Serve echoes the client's id in the header as it came; what we log and pass to
             # backends must be tame, so an unacceptable one is replaced inside Forge.
-            ctx.request_id = serve_id if _ACCEPTABLE.match(serve_id) else mint()
+            ctx.request_id = serve_id if _ACCEPTABLE.fullmatch(serve_id) else mint()
             return await call_next(ctx)
         given = ctx.request.headers.get(HEADER)
-        ctx.request_id = given if given and _ACCEPTABLE.match(given) else mint()
+        ctx.request_id = given if given and _ACCEPTABLE.fullmatch(given) else mint()
         response = await call_next(ctx)
         response.headers[HEADER] = ctx.request_id
         return response

@@ -1,4 +1,8 @@
-"""SimulatedEngine: vLLM-shaped OpenAI chunks over SimulatedLLM, in pure asyncio (no Ray)."""
+"""SimulatedEngine: vLLM-shaped OpenAI chunks over SimulatedLLM, in pure asyncio (no Ray).
+
+What every engine does is in the Engine contract (``test_engine_contract.py``); this file
+keeps what is the simulator's own: its exact chunk layout, determinism and validation.
+"""
 
 from __future__ import annotations
 
@@ -142,26 +146,6 @@ async def test_small_max_tokens_finishes_with_length(engine):
     assert response["choices"][0]["finish_reason"] == "length"
 
 
-async def test_max_completion_tokens_wins_over_max_tokens(engine):
-    _, usage = await collect(engine, {**CHAT, "max_tokens": 50, "max_completion_tokens": 1})
-    assert usage.completion_tokens == 1
-
-
-async def test_default_max_tokens_applies(make_engine):
-    engine = make_engine(default_max_tokens=3, output_tokens_min=10, output_tokens_max=10)
-    _, usage = await collect(engine, CHAT)
-    assert usage.completion_tokens == 3
-
-
-@pytest.mark.parametrize("kind", ["chat", "completion"])
-async def test_prompt_tokens_match_the_gateway_tokenizer(engine, kind):
-    body = CHAT if kind == "chat" else COMPLETION
-    _, usage = await collect(engine, body, kind=kind)
-    assert usage.prompt_tokens == tokenizer.count_tokens(prompt_text(body, kind))
-    _, complete_usage = await engine.complete(body, kind, "r2")
-    assert complete_usage.prompt_tokens == usage.prompt_tokens
-
-
 def test_prompt_text_of_completion_list():
     assert prompt_text({"prompt": ["only one"]}, "completion") == "only one"
     assert prompt_text(CHAT, "chat") == tokenizer.render_chat(CHAT["messages"])
@@ -218,36 +202,3 @@ async def test_same_seed_same_text_different_seed_differs(engine):
     other, _ = await collect(engine, {**body, "seed": 2})
     assert content_of(first) == content_of(again)
     assert content_of(first) != content_of(other)
-
-
-async def test_stats_reflect_an_open_stream(make_engine):
-    engine = make_engine(decode_base_s=0.005, max_num_seqs=3)
-    assert engine.stats().num_requests_running == 0
-    stream = engine.stream({**CHAT, "ignore_eos": True, "max_tokens": 100}, "chat", "r")
-    await anext(stream)  # the role chunk arrives with the first token, after prefill
-    stats = engine.stats()
-    assert stats.num_requests_running == 1
-    assert stats.num_requests_waiting == 0
-    assert stats.max_num_seqs == 3
-    assert stats.kv_cache_usage_perc > 0
-    assert stats.prefix_cache_queries == tokenizer.count_tokens(prompt_text(CHAT, "chat"))
-    await stream.aclose()  # closing the stream aborts the request and frees its slot
-    assert engine.stats().num_requests_running == 0
-    assert engine.stats().kv_cache_usage_perc == 0
-
-
-async def test_cancelling_the_consumer_frees_the_slot(make_engine):
-    # How the replica aborts: it cancels the task that iterates the engine's stream.
-    engine = make_engine(decode_base_s=0.005)
-    started = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in engine.stream({**CHAT, "ignore_eos": True, "max_tokens": 100}, "chat", "r"):
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await started.wait()
-    assert engine.stats().num_requests_running == 1
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    assert engine.stats().num_requests_running == 0

@@ -8,6 +8,7 @@ from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.breaker import Admit, BreakerSettings, Outcome, State
 from serve_app.resilience.client import BreakerClient
 from tests.doubles import Clock
+from tests.polling import eventually_async
 
 S = BreakerSettings(failure_threshold=3, cooldown_s=5, min_requests=100)
 
@@ -151,3 +152,18 @@ async def test_a_healthy_path_sends_one_summed_report_per_backend_in_order():
     # The successes reset the streak: 1 failure in a row, not 3.
     assert board.breaker("primary").state is State.CLOSED
     assert board.breaker("primary").consecutive_failures == 1
+
+
+async def test_closing_right_after_a_report_finishes():
+    """Bug: a cancel landing as one of the sync loop's wait_for calls completed was swallowed
+    (Python 3.11), so aclose() waited for ever and Gateway.aclose never closed the store."""
+    for offset in range(20):  # the window is a few loop ticks wide: cross it at several offsets
+        client = BreakerClient(BreakerBoard(S), sync_interval_s=60)
+        client.record("fallback", Outcome.FAILURE)  # queued; the sync loop is woken
+        for _ in range(offset % 5):
+            await asyncio.sleep(0)
+        closing = asyncio.get_running_loop().create_task(client.aclose())
+        try:
+            await eventually_async(closing.done, timeout_s=2, what="the client to close")
+        finally:
+            closing.cancel()

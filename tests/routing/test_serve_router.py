@@ -1,0 +1,310 @@
+"""``ForgeRequestRouter`` built as Serve builds it, without Serve: breakers, retries, probes,
+prompts and the replicas' published prefix caches, as the router sees them per request.
+
+The router is constructed like Ray's own router unit tests do (``FakeRunningReplica``, a
+``DeploymentID``, a handle source) and then given its policy through ``initialize_state``, the
+call Serve makes with the pool's ``request_router_kwargs``. Requests are ``PendingRequest``s
+whose ``args`` are what the gateway passes to ``stream``/``complete``: ``[body, kind, id]``.
+No Ray cluster: Ray's metric objects work without one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve._private.test_utils import FakeRunningReplica
+from ray.serve.request_router import PendingRequest
+
+from serve_app import tokenizer
+from serve_app.block_hashes import prefix_block_hashes
+from serve_app.bridge import pool_bridge, replica_backend, reset_bridges
+from serve_app.resilience.board import BreakerBoard
+from serve_app.resilience.breaker import BreakerSettings, Outcome
+from serve_app.resilience.client import BreakerClient
+from serve_app.routing.serve_router import ForgeRequestRouter
+from tests.doubles import MODEL, Clock
+
+APP = "forge-test"
+DEPLOYMENT = DeploymentID(name="pool-primary", app_name=APP)
+POOL = "primary"  # the pool as the gateway names it
+BLOCK_SIZE = 4
+COOLDOWN_S = 5.0
+
+
+class Replica(FakeRunningReplica):
+    """Ray's fake replica, with the routing stats a real one publishes settable by the test."""
+
+    def __init__(self, unique_id: str, routing_stats: dict[str, Any] | None = None) -> None:
+        super().__init__(unique_id)
+        self.routing_stats = routing_stats or {}
+        # The router probes a new replica's queue length once: answer it (nothing in flight).
+        self.set_queue_len_response(0)
+
+    @property
+    def routing_stats(self) -> dict[str, Any]:
+        return self._routing_stats
+
+    @routing_stats.setter
+    def routing_stats(self, stats: dict[str, Any]) -> None:
+        self._routing_stats = stats
+
+
+@pytest.fixture(autouse=True)
+def fresh_bridges():
+    reset_bridges()
+    yield
+    reset_bridges()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(1000.0)
+
+
+@pytest.fixture
+async def board(clock: Clock) -> BreakerBoard:
+    return BreakerBoard(BreakerSettings(failure_threshold=1, cooldown_s=COOLDOWN_S), clock)
+
+
+@pytest.fixture
+async def breakers(board: BreakerBoard, clock: Clock):
+    """The gateway's breaker client, installed on the pool's bridge as the ingress does."""
+    client = BreakerClient(board, sync_interval_s=60, clock=clock)
+    pool_bridge(APP, POOL).breakers = client
+    yield client
+    await client.aclose()
+
+
+def make_router(
+    policy: str = "round_robin", deployment: DeploymentID = DEPLOYMENT, **options: Any
+) -> ForgeRequestRouter:
+    router = ForgeRequestRouter(
+        deployment_id=deployment, handle_source=DeploymentHandleSource.REPLICA
+    )
+    router.initialize_state(policy=policy, block_size=BLOCK_SIZE, **options)
+    return router
+
+
+def chat_body(prompt: str) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True}
+
+
+def pending(request_id: str, prompt: str = "hello there") -> PendingRequest:
+    """A call ``stream.remote(body, "chat", request_id)`` as Serve's router holds it."""
+    return PendingRequest(
+        args=[chat_body(prompt), "chat", request_id],
+        kwargs={},
+        metadata=RequestMetadata(
+            request_id=request_id,
+            internal_request_id=uuid.uuid4().hex,
+            call_method="stream",
+            is_streaming=True,
+        ),
+    )
+
+
+async def ranked(
+    router: ForgeRequestRouter, replicas: list[Replica], request: PendingRequest | None
+) -> list[str]:
+    """The replica ids the router hands Serve, one per rank, in order."""
+    ranks = await router.choose_replicas(replicas, request)
+    assert all(len(rank) == 1 for rank in ranks), ranks
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+async def open_breaker(board: BreakerBoard, client: BreakerClient, replica_id: str) -> None:
+    """A failure some gateway reported (threshold 1) opens the replica's breaker on the board;
+    this gateway's client hears of it on its next sync."""
+    await board.sync([(replica_backend(POOL, replica_id), Outcome.FAILURE.value, False, 1)])
+    await client.flush()
+
+
+def prompt_blocks(prompt: str) -> list[int]:
+    """The block hashes a replica that served ``prompt`` would report as cached."""
+    text = tokenizer.render_chat(chat_body(prompt)["messages"])
+    return list(prefix_block_hashes(tokenizer.encode(text), BLOCK_SIZE))
+
+
+# -- the replica set, on the bridge ----------------------------------------------------------
+
+
+async def test_update_replicas_publishes_the_replica_ids_on_the_pools_bridge():
+    router = make_router()
+    bridge = pool_bridge(APP, POOL)
+    assert bridge.replica_ids is None  # the gateway cannot tell cold from unknown yet
+
+    a, b, c = Replica("a"), Replica("b"), Replica("c")
+    router.update_replicas([a, b, c])
+    assert bridge.replica_ids == {"a", "b", "c"}
+
+    router.update_replicas([b, c])
+    assert bridge.replica_ids == {"b", "c"}
+
+    router.on_replica_actor_died(b.replica_id)
+    assert bridge.replica_ids == {"c"}
+
+    router.update_replicas([])
+    assert bridge.replica_ids == frozenset()  # cold: zero, not unknown
+
+    # Other pools and other applications have bridges of their own.
+    assert pool_bridge(APP, "secondary").replica_ids is None
+    assert pool_bridge("other-app", POOL).replica_ids is None
+
+
+# -- breakers and retries --------------------------------------------------------------------
+
+
+async def test_a_replica_whose_breaker_is_open_is_never_chosen(board, breakers):
+    router = make_router("round_robin")
+    replicas = [Replica("a"), Replica("b"), Replica("c")]
+    router.update_replicas(replicas)
+    await open_breaker(board, breakers, "b")
+
+    for i in range(6):  # round robin would reach every replica as first choice
+        ids = await ranked(router, replicas, pending(f"req-{i}"))
+        assert "b" not in ids
+        assert set(ids) == {"a", "c"}
+
+
+async def test_a_retry_avoids_the_replica_its_first_attempt_failed_on():
+    router = make_router("least_in_flight")
+    replicas = [Replica("a"), Replica("b"), Replica("c")]
+    router.update_replicas(replicas)
+    bridge = pool_bridge(APP, POOL)
+    first = (await ranked(router, replicas, pending("req-1")))[0]
+
+    bridge.avoid["req-1"] = first
+    retry = await ranked(router, replicas, pending("req-1"))
+    assert first not in retry and len(retry) == 2
+
+    # Only that request's retry: another request may still go there.
+    assert first in await ranked(router, replicas, pending("req-2"))
+
+
+async def test_never_excludes_every_replica(board, breakers):
+    router = make_router("least_in_flight")
+    replicas = [Replica("a"), Replica("b")]
+    router.update_replicas(replicas)
+    await open_breaker(board, breakers, "a")
+    pool_bridge(APP, POOL).avoid["req-1"] = "b"
+
+    # a is open and b is the one to avoid: rather than nowhere, the request may go anywhere
+    # (the pool's own breaker is what keeps traffic off a pool that is all down).
+    assert sorted(await ranked(router, replicas, pending("req-1"))) == ["a", "b"]
+
+    await open_breaker(board, breakers, "b")
+    assert sorted(await ranked(router, replicas, pending("req-2"))) == ["a", "b"]
+
+
+async def test_a_half_open_replica_gets_exactly_one_probe(breakers, board, clock):
+    router = make_router("least_in_flight")
+    a, b, c = Replica("a"), Replica("b"), Replica("c")
+    replicas = [a, b, c]
+    router.update_replicas(replicas)
+    bridge = pool_bridge(APP, POOL)
+    await open_breaker(board, breakers, "a")
+    assert "a" not in await ranked(router, replicas, pending("req-0"))  # cooling down
+
+    clock.advance(COOLDOWN_S)
+    probe = pending("req-probe")
+    assert await ranked(router, replicas, probe) == ["a"]  # the probe, and only a
+    # Serve asks again for the same request when it backs off: it stays the probe, and the
+    # board is not asked for a second grant.
+    assert await ranked(router, replicas, probe) == ["a"]
+    assert (await board.describe())[replica_backend(POOL, "a")]["probes"] == 1
+
+    # Everyone else routes around a while its probe is out.
+    for i in range(3):
+        assert "a" not in await ranked(router, replicas, pending(f"req-{i + 1}"))
+
+    # Another gateway replica (its own router and client, the same board) gets no probe either.
+    other_client = BreakerClient(board, sync_interval_s=60, clock=clock)
+    pool_bridge("forge-test-2", POOL).breakers = other_client
+    other = make_router(
+        "least_in_flight", DeploymentID(name="pool-primary", app_name="forge-test-2")
+    )
+    other.update_replicas(replicas)
+    await other_client.flush()
+    assert "a" not in await ranked(other, replicas, pending("req-elsewhere"))
+    await other_client.aclose()
+    assert (await board.describe())[replica_backend(POOL, "a")]["probes"] == 1
+
+    # Serve reports where each request went: the probe is noted as one, so its outcome is
+    # reported to the breaker as the probe's verdict.
+    router.on_request_routed(probe, a.replica_id, None)
+    other_request = pending("req-other")
+    router.on_request_routed(other_request, b.replica_id, None)
+    assert bridge.take_routed("req-probe") == ("a", True)
+    assert bridge.take_routed("req-other") == ("b", False)
+
+
+async def test_a_call_without_a_request_id_is_routed_but_not_noted(board, breakers):
+    """The pool's wake-up call (``ready()``) has no Forge request id."""
+    router = make_router("least_in_flight")
+    a, b = Replica("a"), Replica("b")
+    router.update_replicas([a, b])
+    await open_breaker(board, breakers, "a")
+    ready = PendingRequest(
+        args=[],
+        kwargs={},
+        metadata=RequestMetadata(request_id="x", internal_request_id="i", call_method="ready"),
+    )
+    assert await ranked(router, [a, b], ready) == ["b"]
+    router.on_request_routed(ready, b.replica_id, None)
+    assert pool_bridge(APP, POOL).routed == {}
+
+
+# -- prompts ---------------------------------------------------------------------------------
+
+
+async def test_prefix_affinity_sends_the_same_prompt_to_the_same_replica():
+    replicas = [Replica(f"replica-{i}") for i in range(5)]
+    router = make_router("prefix_affinity")
+    router.update_replicas(replicas)
+    # Another gateway replica's router: the choice must not depend on who makes it.
+    other = make_router("prefix_affinity")
+    other.update_replicas(replicas)
+
+    firsts = set()
+    for n in range(20):
+        prompt = f"{n} tell me about rivers and the sea"
+        first = (await ranked(router, replicas, pending(f"req-{n}-a", prompt)))[0]
+        assert (await ranked(router, replicas, pending(f"req-{n}-b", prompt)))[0] == first
+        assert (await ranked(other, replicas, pending(f"req-{n}-c", prompt)))[0] == first
+        firsts.add(first)
+    # The choice follows the prompt: different prompts spread over the pool.
+    assert len(firsts) >= 3
+
+
+async def test_kv_aware_sends_a_prompt_where_a_replica_reports_its_blocks():
+    plain, holder = Replica("a"), Replica("b")
+    replicas = [plain, holder]
+    router = make_router("kv_aware")
+    router.update_replicas(replicas)
+    prompt = "3 tell me about rivers and the sea"
+    assert await ranked(router, replicas, pending("req-1", prompt)) == ["a", "b"]  # tie: by id
+
+    holder.routing_stats = {"cached_blocks": prompt_blocks(prompt)}
+    assert await ranked(router, replicas, pending("req-2", prompt)) == ["b", "a"]
+
+
+async def test_kv_aware_reads_each_new_block_list_not_a_stale_one():
+    """Regression: the router cached a block list's set by the ``id()`` of a list it did not
+    keep alive; a new list allocated at the freed address got the old list's set, so a replica
+    seemed to hold blocks it had evicted and not the ones it had just cached."""
+    plain, holder = Replica("a"), Replica("b")
+    replicas = [plain, holder]
+    router = make_router("kv_aware")
+    router.update_replicas(replicas)
+
+    for n in range(200):
+        prompt = f"{n} tell me about rivers and the sea"
+        # A new stats report: the old list is dropped first, so its address is free for the new.
+        holder.routing_stats = {}
+        holder.routing_stats = {"cached_blocks": prompt_blocks(prompt)}
+        ids = await ranked(router, replicas, pending(f"req-{n}", prompt))
+        # Only the new list holds this prompt's blocks; without them the tie goes to "a".
+        assert ids[0] == "b", f"report {n}: the router did not see the new block list"
