@@ -45,25 +45,37 @@ def histogram(name: str, description: str, *tags: str) -> Histogram:
 
 class ForgeMetrics:
     def __init__(self) -> None:
+        # Status 499: the client left first; 599: a stream that failed after its first byte (the
+        # client saw 200, then an SSE error event): a truncation, counted apart as well.
         self.requests = counter(
             "forge_requests_total",
-            "Requests by tenant, route, serving backend and HTTP status.",
-            *("tenant", "route", "backend", "status"),
+            "Requests by tenant, route, model, serving backend and HTTP status.",
+            *("tenant", "route", "model", "backend", "status"),
         )
         self.ttft = histogram(
             "forge_ttft_seconds",
             "Time from request arrival to the first byte of the answer.",
-            *("route", "backend"),
+            *("route", "model", "backend"),
+        )
+        self.tpot = histogram(
+            "forge_tpot_seconds",
+            "Time per output token after the first, of streamed answers.",
+            *("route", "model", "backend"),
         )
         self.duration = histogram(
             "forge_request_duration_seconds",
             "Time from request arrival to the end of the answer.",
-            *("route", "backend"),
+            *("route", "model", "backend"),
+        )
+        self.truncated = counter(
+            "forge_truncated_total",
+            "Streams that ended in an error event after their first byte (not client leaves).",
+            *("model", "backend"),
         )
         self.tokens = counter(
             "forge_tokens_total",
-            "Tokens by tenant and kind (prompt, completion), from backend usage.",
-            *("tenant", "kind"),
+            "Tokens by tenant, model and kind (prompt, completion), from backend usage.",
+            *("tenant", "model", "kind"),
         )
 
         self.shed = counter(
@@ -125,6 +137,7 @@ class ForgeMetrics:
         *,
         tenant: str,
         route: str,
+        model: str,
         backend: str,
         status: int,
         ttft_s: float | None,
@@ -132,14 +145,30 @@ class ForgeMetrics:
         usage: dict | None,
     ) -> None:
         self.requests.inc(
-            tags={"tenant": tenant, "route": route, "backend": backend, "status": str(status)}
+            tags={
+                "tenant": tenant,
+                "route": route,
+                "model": model,
+                "backend": backend,
+                "status": str(status),
+            }
         )
-        timing_tags = {"route": route, "backend": backend}
+        timing_tags = {"route": route, "model": model, "backend": backend}
         if ttft_s is not None:
             self.ttft.observe(ttft_s, tags=timing_tags)
         self.duration.observe(duration_s, tags=timing_tags)
-        if usage:
-            for kind in ("prompt", "completion"):
-                count = usage.get(f"{kind}_tokens")
-                if isinstance(count, int) and count > 0:  # upstream usage is data, not trusted
-                    self.tokens.inc(count, tags={"tenant": tenant, "kind": kind})
+        if status == 599:
+            self.truncated.inc(tags={"model": model, "backend": backend})
+        completion = _count(usage, "completion_tokens")
+        if ttft_s is not None and completion > 1 and duration_s > ttft_s:
+            self.tpot.observe((duration_s - ttft_s) / (completion - 1), tags=timing_tags)
+        for kind in ("prompt", "completion"):
+            count = _count(usage, f"{kind}_tokens")
+            if count > 0:
+                self.tokens.inc(count, tags={"tenant": tenant, "model": model, "kind": kind})
+
+
+def _count(usage: dict | None, field: str) -> int:
+    """A token count from a backend's usage: data, not trusted (anything odd counts as 0)."""
+    value = (usage or {}).get(field)
+    return value if isinstance(value, int) and value > 0 else 0

@@ -50,6 +50,12 @@ class RequestContext:
     def tenant_name(self) -> str:
         return self.tenant.name if self.tenant else "anonymous"
 
+    @property
+    def model_name(self) -> str:
+        """The model asked for, once the body is validated ("none" before, or for listings)."""
+        model = getattr(self.parsed, "model", None)
+        return model if isinstance(model, str) else "none"
+
 
 class Stage(Protocol):
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response: ...

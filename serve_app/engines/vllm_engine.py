@@ -117,7 +117,8 @@ class VLLMEngine(Engine):
         # Client request ids may repeat; vLLM's must not (an abort by id would hit both).
         self._serial += 1
         base_id = f"{request_id}-{self._serial}"
-        payload = {**body, "model": self.model, "request_id": base_id}
+        # vLLM picks its response type from the body's flag: make it say what the caller does.
+        payload = {**body, "model": self.model, "request_id": base_id, "stream": stream}
         if payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None:
             payload["max_tokens"] = self.default_max_tokens
         if stream:

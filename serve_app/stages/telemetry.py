@@ -53,6 +53,7 @@ class TelemetryStage:
         self.metrics.record(
             tenant=ctx.tenant_name,
             route=ctx.route,
+            model=ctx.model_name,
             backend=ctx.backend,
             status=status,
             ttft_s=ttft,
@@ -67,6 +68,7 @@ class TelemetryStage:
                         "request_id": ctx.request_id,
                         "tenant": ctx.tenant_name,
                         "route": ctx.route,
+                        "model": ctx.model_name,
                         "backend": ctx.backend,
                         "replica": ctx.replica,
                         "status": status,

@@ -1,0 +1,67 @@
+"""ForgeMetrics.record: the SLIs a rollout gate reads, from one request's outcome."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.metrics import ForgeMetrics
+from tests.doubles import Counter
+
+SERIES = ("requests", "ttft", "tpot", "duration", "truncated", "tokens")
+
+
+@pytest.fixture
+def metrics() -> ForgeMetrics:
+    metrics = ForgeMetrics()
+    for name in SERIES:  # read what would be exported
+        setattr(metrics, name, Counter())
+    return metrics
+
+
+def record(metrics: ForgeMetrics, **overrides) -> None:
+    fields = {
+        "tenant": "acme",
+        "route": "chat",
+        "model": "forge-sim",
+        "backend": "primary",
+        "status": 200,
+        "ttft_s": 0.1,
+        "duration_s": 1.1,
+        "usage": {"prompt_tokens": 7, "completion_tokens": 11},
+    }
+    metrics.record(**{**fields, **overrides})
+
+
+def test_a_stream_gives_ttft_tpot_duration_and_tokens_by_model(metrics):
+    record(metrics)
+    tags = {"route": "chat", "model": "forge-sim", "backend": "primary"}
+    assert metrics.requests.calls == [{"tenant": "acme", "status": "200", **tags}]
+    assert metrics.ttft.values == [0.1] and metrics.ttft.calls == [tags]
+    assert metrics.tpot.values == [pytest.approx(0.1)]  # 1.0 s over the 10 tokens after the first
+    assert metrics.duration.values == [1.1]
+    assert metrics.tokens.values == [7, 11]
+    assert {c["kind"] for c in metrics.tokens.calls} == {"prompt", "completion"}
+    assert all(c["model"] == "forge-sim" for c in metrics.tokens.calls)
+    assert metrics.truncated.calls == []
+
+
+def test_a_truncated_stream_is_counted_apart_from_a_client_leaving(metrics):
+    record(metrics, status=599)
+    record(metrics, status=499)
+    assert metrics.truncated.calls == [{"model": "forge-sim", "backend": "primary"}]
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [None, {}, {"completion_tokens": 1}, {"completion_tokens": "11"}, {"prompt_tokens": -3}],
+)
+def test_no_tpot_or_tokens_from_missing_single_token_or_untrusted_usage(metrics, usage):
+    record(metrics, usage=usage)
+    assert metrics.tpot.calls == []
+    assert all(v > 0 for v in metrics.tokens.values)
+
+
+def test_an_error_before_any_byte_has_no_ttft(metrics):
+    record(metrics, status=401, ttft_s=None, usage=None, model="none", backend="none")
+    assert metrics.ttft.calls == [] and metrics.tpot.calls == []
+    assert metrics.requests.calls[0]["status"] == "401"
