@@ -27,7 +27,7 @@ def build_app(args: dict[str, Any]) -> Application:
     pools = {
         pool.name: serve.deployment(Replica)
         .options(name=f"pool-{pool.name}", **_replica_options(pool))
-        .bind(pool.model_dump())
+        .bind(pool.model_dump(), config.tracing.model_dump())
         for pool in config.pools
     }
     schedulers = {

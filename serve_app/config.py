@@ -312,6 +312,14 @@ class StoreConfig(_Strict):
         return self.redis_url
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces. Exported (OTLP over HTTP) only where OTEL_EXPORTER_OTLP_ENDPOINT is
+    set; without it nothing is traced and the request path pays nothing."""
+
+    # Head sampling of new traces; a client's own traceparent decides for its requests.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
 class GatewayConfig(_Strict):
     max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
     # Gateway replica deployment options (num_replicas, ray_actor_options, ...).
@@ -327,6 +335,7 @@ class ForgeConfig(_Strict):
     pools: Annotated[list[PoolConfig], Field(min_length=1)]
     fallback: FallbackConfig | None = None
     resilience: ResilienceConfig = ResilienceConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> ForgeConfig:

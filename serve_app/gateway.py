@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 
 import orjson
+from opentelemetry.trace import Tracer
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -53,6 +54,7 @@ class Gateway:
         backends: Mapping[str, Backend],
         schedulers: Mapping[str, SchedulerClient],
         breakers: BreakerClient,
+        tracer: Tracer | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -77,6 +79,7 @@ class Gateway:
             schedulers=schedulers,
             breakers=breakers,
             list_models=self._list_models,
+            tracer=tracer,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from serve_app.resilience.board import ServeBoard
 from serve_app.resilience.client import BreakerClient
 from serve_app.scheduler_deployment import ServeSchedulerClient
 from serve_app.store import build_store
+from serve_app.tracing import tracer_for
 
 
 @serve.ingress()
@@ -61,6 +62,7 @@ class GatewayIngress(Gateway):
             backends=backends,
             schedulers={name: ServeSchedulerClient(h) for name, h in schedulers.items()},
             breakers=breakers,
+            tracer=tracer_for(forge.tracing, "forge-gateway"),
         )
 
     def __serve_build_asgi_app__(self) -> Starlette:

@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping
 
 import httpx
+from opentelemetry.trace import Tracer
 
 from serve_app.auth import KeyRing
 from serve_app.backends.base import Backend
@@ -37,6 +38,7 @@ from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.settings import breaker_settings
 from serve_app.scheduler_client import LocalSchedulerClient, fair_scheduler
 from serve_app.store import Store, build_store
+from serve_app.tracing import tracer_for
 
 
 def build_local_gateway(
@@ -47,12 +49,15 @@ def build_local_gateway(
     fallback_transport: httpx.AsyncBaseTransport | None = None,
     fallback_credentials: Credentials | None = None,
     board: BreakerBoard | None = None,
+    tracer: Tracer | None = None,
 ) -> Gateway:
     """A ``Gateway`` whose collaborators all live in this process (see the module docstring).
 
     ``board`` may be shared by several local gateways, as gateway replicas share the board
-    deployment; ``store`` overrides the config's.
+    deployment; ``store`` overrides the config's; ``tracer`` (by default the config's, which
+    exports only where OTEL_EXPORTER_OTLP_ENDPOINT is set) traces the gateway and its replicas.
     """
+    tracer = tracer or tracer_for(config.tracing, "forge-gateway")
     metrics = metrics or ForgeMetrics()
     if store is None:
         store = build_store(config.store, on_state=lambda s: metrics.store_state.set(int(s)))
@@ -62,7 +67,7 @@ def build_local_gateway(
     for pool in config.pools:
         bridge = PoolBridge(breakers=breakers)
         backends[pool.name] = LocalPoolBackend(
-            pool.name, local_replicas(pool), pool_timeouts(pool), bridge
+            pool.name, local_replicas(pool, tracer), pool_timeouts(pool), bridge
         )
     if config.fallback is not None:
         backends["fallback"] = FallbackBackend(
@@ -83,16 +88,18 @@ def build_local_gateway(
         backends=backends,
         schedulers=schedulers,
         breakers=breakers,
+        tracer=tracer,
     )
 
 
-def local_replicas(pool: PoolConfig) -> list[Replica]:
+def local_replicas(pool: PoolConfig, tracer: Tracer | None = None) -> list[Replica]:
     """The pool's replicas in this process: ``deployment.num_replicas`` of them (at least 1)."""
     count = max(1, int(pool.deployment.get("num_replicas") or 1))
     replicas = []
     for i in range(count):
         replica = Replica(pool.model_dump())
         replica.replica_id = f"{pool.name}-{i}"
+        replica.tracer = tracer
         replicas.append(replica)
     return replicas
 

@@ -8,15 +8,18 @@ for routing and dashboards, and aborts the engine's request when the caller goes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
+from opentelemetry import trace
 from ray import serve
 from ray.serve.metrics import Gauge
 
-from serve_app.config import PoolConfig
+from serve_app.config import PoolConfig, TracingConfig
 from serve_app.engines.base import Engine, Kind, Usage
 from serve_app.faults import FaultInjector, FaultSpec
+from serve_app.tracing import extract, tracer_for
 
 logger = logging.getLogger("ray.serve")
 
@@ -39,8 +42,10 @@ def build_engine(pool: PoolConfig) -> Engine:
 class Replica:
     """A model server. Stream items are lists: SSE frames (bytes) and metadata (dicts)."""
 
-    def __init__(self, pool: dict) -> None:
+    def __init__(self, pool: dict, tracing: dict | None = None) -> None:
         self.pool = PoolConfig.model_validate(pool)
+        # The generation's span, a child of the gateway's dispatch span (when tracing is on).
+        self.tracer = tracer_for(TracingConfig.model_validate(tracing or {}), "forge-replica")
         self.engine = build_engine(self.pool)
         self.faults = FaultInjector()
         try:
@@ -55,8 +60,19 @@ class Replica:
             await self.engine.start()
             self._started = True
 
-    async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
+    async def stream(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
+    ) -> AsyncIterator[list]:
         """Stream one request as lists of ready items; the first list starts with metadata."""
+        with self._span(trace_context, request_id) as span:
+            async with contextlib.aclosing(self._stream(body, kind, request_id)) as batches:
+                async for batch in batches:
+                    for item in batch:
+                        if type(item) is dict and "usage" in item:
+                            _describe_usage(span, item["usage"])
+                    yield batch
+
+    async def _stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
         await self._ensure_started()
         await self.faults.before_first_frame()
         queue: asyncio.Queue = asyncio.Queue()
@@ -98,15 +114,49 @@ class Replica:
             queue.put_nowait(exc)
         queue.put_nowait(_END)
 
-    async def complete(self, body: dict, kind: Kind, request_id: str) -> dict:
+    async def complete(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
+    ) -> dict:
         """The OpenAI response body (with ``usage``) and, under ``forge``, the replica id."""
-        await self._ensure_started()
-        await self.faults.before_first_frame()
-        response, _ = await self.engine.complete(body, kind, request_id)
-        self.faults.after_frame(self.faults.spec.after_frames)
-        return {"response": response, "replica": self.replica_id}
+        with self._span(trace_context, request_id) as span:
+            await self._ensure_started()
+            await self.faults.before_first_frame()
+            response, _ = await self.engine.complete(body, kind, request_id)
+            self.faults.after_frame(self.faults.spec.after_frames)
+            _describe_usage(span, response.get("usage"))
+            return {"response": response, "replica": self.replica_id}
 
-    async def complete_streamed(self, body: dict, kind: Kind, request_id: str):
+    @contextlib.contextmanager
+    def _span(self, trace_context: dict | None, request_id: str) -> Iterator[trace.Span]:
+        """A span for this generation when the gateway sent a trace context (else a no-op)."""
+        if self.tracer is None or not trace_context:
+            yield trace.INVALID_SPAN
+            return
+        # Not made current: a stream's generator is resumed (and closed) from other contexts.
+        span = self.tracer.start_span(
+            "forge.replica.generate",
+            context=extract(trace_context),
+            attributes={
+                "forge.replica": self.replica_id,
+                "forge.pool": self.pool.name,
+                "forge.engine": self.pool.engine.kind,
+                "forge.request_id": request_id,
+            },
+        )
+        try:
+            yield span
+        except GeneratorExit:
+            span.set_attribute("forge.aborted", True)  # the caller left: generation aborted
+            raise
+        except Exception as exc:
+            span.set_attribute("forge.error", type(exc).__name__)
+            raise
+        finally:
+            span.end()
+
+    async def complete_streamed(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
+    ):
         """``complete`` as a one-item stream, which is how the gateway calls it.
 
         Serve learns that a replica accepted a call from the call's first response metadata;
@@ -114,7 +164,7 @@ class Replica:
         long non-streaming generation would look "not yet assigned" for its whole duration,
         and a hung one could not be charged to its replica. A stream announces itself at once.
         """
-        yield await self.complete(body, kind, request_id)
+        yield await self.complete(body, kind, request_id, trace_context)
 
     async def ready(self) -> str:
         """The warm-up call a gateway sends to a pool scaled to zero: it waits at the handle,
@@ -162,3 +212,10 @@ class Replica:
 
     async def __del__(self) -> None:
         await self.engine.shutdown()
+
+
+def _describe_usage(span: trace.Span, usage: dict | None) -> None:
+    for field in ("prompt_tokens", "completion_tokens"):
+        value = (usage or {}).get(field)
+        if isinstance(value, int):
+            span.set_attribute(f"forge.{field}", value)

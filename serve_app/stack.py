@@ -2,7 +2,8 @@
 
 ``build_pipeline`` returns the ordered stages of an inference request and composes them around
 dispatch; ``/v1/models`` reuses the same first stages (request id, telemetry, auth) rather than
-a second hand-written list. The order is DESIGN.md's, and each position has a reason:
+a second hand-written list. The order is DESIGN.md's, and each position has a reason (with
+tracing on, a root span opens before all of them, ``stages/trace.py``):
 
 1. request id: every log line, backend call and response carries it;
 2. telemetry, right after it: every outcome, a 401 included, is logged and counted once;
@@ -20,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from opentelemetry.trace import Tracer
+
 from serve_app.auth import KeyRing
 from serve_app.backends.base import Backend
 from serve_app.config import ForgeConfig
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, Stage, compose
+from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.retry_budget import RetryBudget
 from serve_app.resilience.settings import retry_budget_settings
@@ -36,6 +39,7 @@ from serve_app.stages.parse import ParseStage
 from serve_app.stages.quota import QuotaStage
 from serve_app.stages.request_id import RequestIdStage
 from serve_app.stages.telemetry import TelemetryStage
+from serve_app.stages.trace import TraceStage
 from serve_app.store import Store
 
 
@@ -56,9 +60,11 @@ def build_pipeline(
     schedulers: Mapping[str, SchedulerClient],
     breakers: BreakerClient | None,
     list_models: Handler,
+    tracer: Tracer | None = None,
 ) -> Pipeline:
     """The request path. ``routes``: model → its backends in order of preference;
-    ``schedulers``: pool name → the client of its scheduler (pools with admission only)."""
+    ``schedulers``: pool name → the client of its scheduler (pools with admission only);
+    ``tracer``: when tracing is on, a root span first and a span per stage."""
     front: list[Stage] = [RequestIdStage(), TelemetryStage(metrics), AuthStage(keyring)]
     admitted = [p for p in config.pools if p.admission is not None and p.name in schedulers]
     stages: list[Stage] = [
@@ -82,11 +88,13 @@ def build_pipeline(
         RetryBudget(retry_budget_settings(config.resilience.retry_budget)),
         metrics,
     )
-    return Pipeline(
-        inference=compose(stages, dispatch),
-        listing=compose(front, list_models),
-        stages=tuple(stages),
-    )
+    if tracer is None:
+        return Pipeline(compose(stages, dispatch), compose(front, list_models), tuple(stages))
+    # Traced: the root span opens first, then a span per stage, and dispatch's own.
+    root = TraceStage(tracer)
+    inference = compose(stages, traced_endpoint(dispatch, tracer, "forge.dispatch"), tracer)
+    listing = compose(front, list_models, tracer)
+    return Pipeline(compose([root], inference), compose([root], listing), tuple(stages))
 
 
 def model_routes(config: ForgeConfig, backends: Mapping[str, Backend]) -> dict[str, list[Backend]]:

@@ -18,6 +18,7 @@ from serve_app.backends.base import paced
 from serve_app.backends.credentials import Credentials, credentials_for
 from serve_app.config import FallbackConfig
 from serve_app.engines.base import Kind
+from serve_app.tracing import carrier
 
 _PATHS = {"chat": "chat/completions", "completion": "completions"}
 
@@ -68,7 +69,7 @@ class FallbackBackend:
             "POST",
             _PATHS[kind],
             content=self._upstream_body(body, stream=True),
-            headers={"x-request-id": request_id, **await self._credentials.headers()},
+            headers=await self._headers(request_id),
         )
         deadline = self._deadline(budget_s)
         response = await self._send(request, stream=True, deadline=deadline)
@@ -108,7 +109,7 @@ class FallbackBackend:
             "POST",
             _PATHS[kind],
             content=self._upstream_body(body, stream=False),
-            headers={"x-request-id": request_id, **await self._credentials.headers()},
+            headers=await self._headers(request_id),
         )
         response = await self._send(request, stream=False, deadline=self._deadline(budget_s))
         if response.status_code >= 400:
@@ -117,6 +118,15 @@ class FallbackBackend:
             return {"response": orjson.loads(response.content), "replica": None}
         except orjson.JSONDecodeError:
             raise errors.bad_gateway("The fallback model answered with invalid JSON.") from None
+
+    async def _headers(self, request_id: str) -> dict[str, str]:
+        """The request id and the trace context (``traceparent``) travel upstream; the
+        credentials are fetched per request, since a workload-identity token expires."""
+        return {
+            "x-request-id": request_id,
+            **(carrier() or {}),
+            **await self._credentials.headers(),
+        }
 
     def _deadline(self, budget_s: float | None) -> float:
         total = self.config.request_timeout_s

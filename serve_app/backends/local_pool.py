@@ -19,6 +19,7 @@ from serve_app.bridge import PoolBridge, replica_backend
 from serve_app.engines.base import EngineError, Kind
 from serve_app.replica import Replica
 from serve_app.resilience.breaker import State
+from serve_app.tracing import carrier
 
 
 class LocalPoolBackend:
@@ -79,7 +80,7 @@ class LocalPoolBackend:
     ) -> AsyncIterator[list]:
         replica = self._route(request_id)
         t = self.timeouts
-        source = replica.stream(body, kind, request_id)
+        source = replica.stream(body, kind, request_id, carrier())
         try:
             async for batch in paced(
                 source, t.first_token_s, t.idle_s, self._deadline(budget_s), "The model"
@@ -98,7 +99,8 @@ class LocalPoolBackend:
         replica = self._route(request_id)
         timeout = max(self._deadline(budget_s) - asyncio.get_running_loop().time(), 0)
         try:
-            return await asyncio.wait_for(replica.complete(body, kind, request_id), timeout)
+            answer = replica.complete(body, kind, request_id, carrier())
+            return await asyncio.wait_for(answer, timeout)
         except TimeoutError:
             raise errors.upstream_timeout("The model did not finish answering in time.") from None
         except EngineError as exc:

@@ -20,6 +20,7 @@ from serve_app.backends.base import Timeouts, paced
 from serve_app.bridge import PoolBridge
 from serve_app.config import PoolConfig
 from serve_app.engines.base import EngineError, Kind
+from serve_app.tracing import carrier
 
 logger = logging.getLogger("ray.serve")
 
@@ -120,7 +121,7 @@ class PoolBackend:
     async def stream(
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
     ) -> AsyncIterator[list]:
-        gen = self._stream.stream.remote(body, kind, request_id)
+        gen = self._stream.stream.remote(body, kind, request_id, carrier())
         t = self.timeouts
         deadline = asyncio.get_running_loop().time() + min(t.total_s, budget_s or t.total_s)
         finished = False
@@ -143,7 +144,7 @@ class PoolBackend:
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
     ) -> dict:
         # Streamed, even for one answer: see ``Replica.complete_streamed``.
-        response = self._stream.complete_streamed.remote(body, kind, request_id)
+        response = self._stream.complete_streamed.remote(body, kind, request_id, carrier())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(self.timeouts.total_s, budget_s or self.timeouts.total_s)
         try:

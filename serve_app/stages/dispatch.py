@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
+from opentelemetry import trace
 from starlette.responses import Response
 
 from serve_app import errors
@@ -109,6 +110,7 @@ class Dispatch:
                 return await self._serve(ctx, attempt, candidates)
             except errors.ForgeError as err:
                 attempt.settle(ctx, classify(err))
+                _event("forge.attempt_failed", backend=attempt.backend.name, status=err.status)
                 if not retryable(err):
                     raise
                 failure = err
@@ -240,6 +242,7 @@ class _Plan:
                 continue
             admit = await dispatch.admit(backend)
             if admit is Admit.DENY:
+                _event("forge.skipped", backend=backend.name)
                 continue
             if failure is not None and not dispatch.spend_retry(backend):
                 if admit is Admit.PROBE and dispatch.breakers is not None:
@@ -247,6 +250,7 @@ class _Plan:
                     dispatch.breakers.record(backend.name, Outcome.NEUTRAL, probe=True)
                 return None
             self.made += 1
+            _event("forge.attempt", backend=backend.name, breaker=admit.value, retry=self.made > 1)
             failed_replica, ctx.replica = ctx.replica, None
             if failed_replica and backend.pool is not None:
                 backend.pool.avoid(ctx.request_id, failed_replica)
@@ -283,3 +287,10 @@ def _served_by(ctx: RequestContext) -> dict[str, str]:
     if ctx.replica:
         headers["x-forge-replica"] = ctx.replica
     return headers
+
+
+def _event(name: str, **attributes: str | int | bool) -> None:
+    """An event on the dispatch span when the request is traced (a no-op otherwise)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event(name, attributes)
