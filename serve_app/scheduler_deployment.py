@@ -37,6 +37,7 @@ class SchedulerDeployment:
             "tenant",
         )
         self._slots = gauge("forge_slots_in_use", "Admission slots held, by pool.", "pool")
+        self._slots_total = gauge("forge_slots_total", "Admission slots a pool has.", "pool")
         self._housekeeping: asyncio.Task | None = None
 
     def _ensure_housekeeping(self) -> None:
@@ -54,6 +55,7 @@ class SchedulerDeployment:
                 depth = snap.queued.get(tenant, 0)
                 self._queue_depth.set(depth, tags={"pool": self.pool, "tenant": tenant})
             self._slots.set(snap.slots_used, tags={"pool": self.pool})
+            self._slots_total.set(snap.slots_total, tags={"pool": self.pool})
             await asyncio.sleep(_EXPORT_EVERY_S)
 
     async def acquire(

@@ -131,7 +131,10 @@ class BreakerBoard:
         ]
         for name in stale:
             self._touched.pop(name, None)
-            self._breakers.pop(name, None)
+            breaker = self._breakers.pop(name, None)
+            if breaker is not None and breaker.state is not State.CLOSED and self._metrics:
+                # A replica gone with its breaker open must not keep an alert firing for ever.
+                self._metrics.state.set(0, tags={"backend": name})
 
     def _publish(self, backend: str, breaker: Breaker, *, transition: bool = False) -> None:
         if self._metrics is None:

@@ -7,7 +7,7 @@ import asyncio
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.breaker import Admit, BreakerSettings, Outcome, State
 from serve_app.resilience.client import BreakerClient
-from tests.doubles import Clock
+from tests.doubles import Clock, Counter
 from tests.polling import eventually_async
 
 S = BreakerSettings(failure_threshold=3, cooldown_s=5, min_requests=100)
@@ -167,3 +167,21 @@ async def test_closing_right_after_a_report_finishes():
             await eventually_async(closing.done, timeout_s=2, what="the client to close")
         finally:
             closing.cancel()
+
+
+async def test_a_replica_forgotten_with_its_breaker_open_is_reported_closed():
+    """A replica that died with its breaker open must not keep forge_breaker_state at 2 (and
+    its alert firing) for ever after the board forgets it."""
+
+    class Gauges:
+        def __init__(self) -> None:
+            self.state, self.transitions, self.probes = Counter(), Counter(), Counter()
+
+    clock, gauges = Clock(), Gauges()
+    board = BreakerBoard(S, clock, metrics=gauges)
+    await board.sync([("primary/gone", "trip", False, 1)])
+    assert gauges.state.values[-1] == 2
+    clock.advance(601)
+    await board.sync([("primary", "success", False, 1)])  # any later sync forgets stale ones
+    assert "primary/gone" not in await board.describe()
+    assert (gauges.state.calls[-1], gauges.state.values[-1]) == ({"backend": "primary/gone"}, 0)
