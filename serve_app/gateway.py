@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 import orjson
-from opentelemetry.trace import Tracer
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,17 +25,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from serve_app import errors
-from serve_app.auth import KeyRing
-from serve_app.backends.base import Backend
 from serve_app.config import ForgeConfig
-from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import RequestContext
 from serve_app.resilience.breaker import State
-from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.health import HealthWatch
-from serve_app.scheduler_client import SchedulerClient
-from serve_app.stack import build_pipeline, model_routes
-from serve_app.store import Store
+from serve_app.stack import Collaborators, build_pipeline, model_routes
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,43 +37,25 @@ _JSON = "application/json"
 
 
 class Gateway:
-    def __init__(
-        self,
-        config: ForgeConfig,
-        *,
-        keyring: KeyRing,
-        store: Store,
-        metrics: ForgeMetrics,
-        backends: Mapping[str, Backend],
-        schedulers: Mapping[str, SchedulerClient],
-        breakers: BreakerClient,
-        tracer: Tracer | None = None,
-    ) -> None:
+    def __init__(self, config: ForgeConfig, parts: Collaborators) -> None:
         self.config = config
-        self.store = store
-        self.backends = dict(backends)  # pool name (or "fallback") → backend
-        self.breakers = breakers
+        self.store = parts.store
+        self.backends = dict(parts.backends)  # pool name (or "fallback") → backend
+        self.breakers = parts.breakers
         fallback = self.backends.get("fallback")
         self.fallback_health = (
             HealthWatch(
-                "fallback", fallback.ready, config.resilience.fallback_probe_interval_s, breakers
+                "fallback",
+                fallback.ready,
+                config.resilience.fallback_probe_interval_s,
+                parts.breakers,
             )
             if fallback is not None
             else None
         )
         routes = model_routes(config, self.backends)
         self.models = list(routes)
-        self.pipeline = build_pipeline(
-            config,
-            keyring=keyring,
-            store=store,
-            metrics=metrics,
-            routes=routes,
-            schedulers=schedulers,
-            breakers=breakers,
-            list_models=self._list_models,
-            tracer=tracer,
-        )
+        self.pipeline = build_pipeline(config, parts, routes=routes, list_models=self._list_models)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

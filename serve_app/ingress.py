@@ -22,6 +22,7 @@ from serve_app.metrics import ForgeMetrics
 from serve_app.resilience.board import ServeBoard
 from serve_app.resilience.client import BreakerClient
 from serve_app.scheduler_deployment import ServeSchedulerClient
+from serve_app.stack import Collaborators
 from serve_app.store import build_store
 from serve_app.tracing import tracer_for
 
@@ -54,8 +55,7 @@ class GatewayIngress(Gateway):
             )
         if forge.fallback is not None:
             backends["fallback"] = FallbackBackend(forge.fallback)  # a missing key stops start-up
-        super().__init__(
-            forge,
+        parts = Collaborators(
             keyring=KeyRing.from_config(forge),
             store=store,
             metrics=metrics,
@@ -64,6 +64,7 @@ class GatewayIngress(Gateway):
             breakers=breakers,
             tracer=tracer_for(forge.tracing, "forge-gateway"),
         )
+        super().__init__(forge, parts)
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return self.asgi_app()

@@ -37,6 +37,7 @@ from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.settings import breaker_settings
 from serve_app.scheduler_client import LocalSchedulerClient, fair_scheduler
+from serve_app.stack import Collaborators
 from serve_app.store import Store, build_store
 from serve_app.tracing import tracer_for
 
@@ -80,16 +81,10 @@ def build_local_gateway(
         for pool in config.pools
         if pool.admission is not None
     }
-    return Gateway(
-        config,
-        keyring=KeyRing.from_config(config),
-        store=store,
-        metrics=metrics,
-        backends=backends,
-        schedulers=schedulers,
-        breakers=breakers,
-        tracer=tracer,
+    parts = Collaborators(
+        KeyRing.from_config(config), store, metrics, backends, schedulers, breakers, tracer
     )
+    return Gateway(config, parts)
 
 
 def local_replicas(pool: PoolConfig, tracer: Tracer | None = None) -> list[Replica]:

@@ -44,6 +44,20 @@ from serve_app.store import Store
 
 
 @dataclass(frozen=True, slots=True)
+class Collaborators:
+    """Everything outside the gateway that the stack talks to. ``serve_app/ingress.py`` builds
+    them over Serve handles, ``serve_app/local.py`` in process."""
+
+    keyring: KeyRing
+    store: Store
+    metrics: ForgeMetrics
+    backends: Mapping[str, Backend]  # pool name (or "fallback") → backend
+    schedulers: Mapping[str, SchedulerClient]  # pool name → its scheduler (admission pools)
+    breakers: BreakerClient
+    tracer: Tracer | None = None  # None: nothing traced, nothing added to the path
+
+
+@dataclass(frozen=True, slots=True)
 class Pipeline:
     inference: Handler  # /v1/chat/completions, /v1/completions
     listing: Handler  # /v1/models
@@ -52,26 +66,21 @@ class Pipeline:
 
 def build_pipeline(
     config: ForgeConfig,
+    parts: Collaborators,
     *,
-    keyring: KeyRing,
-    store: Store,
-    metrics: ForgeMetrics,
     routes: Mapping[str, Sequence[Backend]],
-    schedulers: Mapping[str, SchedulerClient],
-    breakers: BreakerClient | None,
     list_models: Handler,
-    tracer: Tracer | None = None,
 ) -> Pipeline:
-    """The request path. ``routes``: model → its backends in order of preference;
-    ``schedulers``: pool name → the client of its scheduler (pools with admission only);
-    ``tracer``: when tracing is on, a root span first and a span per stage."""
-    front: list[Stage] = [RequestIdStage(), TelemetryStage(metrics), AuthStage(keyring)]
+    """The request path. ``routes``: model → its backends in order of preference; with
+    ``parts.tracer``, a root span first and a span per stage."""
+    metrics, schedulers, tracer = parts.metrics, parts.schedulers, parts.tracer
+    front: list[Stage] = [RequestIdStage(), TelemetryStage(metrics), AuthStage(parts.keyring)]
     admitted = [p for p in config.pools if p.admission is not None and p.name in schedulers]
     stages: list[Stage] = [
         *front,
         ParseStage(config.gateway.max_body_bytes),
         QuotaStage(
-            store,
+            parts.store,
             metrics,
             config.tenants,
             {p.model: p.default_max_tokens for p in config.pools},
@@ -84,7 +93,7 @@ def build_pipeline(
     ]
     dispatch = Dispatch(
         dict(routes),
-        breakers,
+        parts.breakers,
         RetryBudget(retry_budget_settings(config.resilience.retry_budget)),
         metrics,
     )

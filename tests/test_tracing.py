@@ -14,11 +14,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from serve_app import tracing
 from serve_app.config import TracingConfig, load_config
 from serve_app.gateway import Gateway
 from serve_app.local import build_local_gateway
 from serve_app.mock_openai import create_mock_app
-from serve_app import tracing
 from serve_app.tracing import tracer_for
 from tests.backends.loopback import RecordingHeaders
 from tests.test_gateway import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_args
@@ -127,11 +127,6 @@ async def test_traceparent_reaches_the_fallback_and_no_prompt_text_is_in_any_spa
 
 def test_nothing_is_traced_without_an_otlp_endpoint():
     assert tracer_for(TracingConfig(), "forge-test", environ={}) is None
-    assert (
-        tracer_for(
-            TracingConfig(),
-            "forge-test",
-            environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"},
-        )
-        is not None
-    )
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
+    assert tracer_for(TracingConfig(), "forge-test", environ=endpoint) is not None
+    tracing._providers.pop("forge-test").shutdown()
