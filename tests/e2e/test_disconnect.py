@@ -15,6 +15,7 @@ pytestmark = pytest.mark.e2e
 
 
 STREAMS = 50
+ABORT_WITHIN_S = 4.0
 
 
 def _running() -> int:
@@ -74,13 +75,17 @@ async def test_fifty_dropped_streams_free_every_slot_and_stop_generating(forge_u
     dropped_at = time.monotonic()
     assert backends == ["primary"] * STREAMS
     assert during == STREAMS, "every generation was running on the replicas"
+    # Unstopped, each generation runs ~8 s more: idle well before that means they were aborted
+    # (a tighter bound only measures how busy the machine is).
     after = during
-    while time.monotonic() < dropped_at + 1.0:
+    while time.monotonic() < dropped_at + ABORT_WITHIN_S:
         after = await asyncio.to_thread(_running)
         if after == 0:
             break
         await asyncio.sleep(0.05)
-    assert after == 0, f"{after} generations still running 1 s after their clients left"
+    assert after == 0, (
+        f"{after} generations still running {ABORT_WITHIN_S:g} s after their clients left"
+    )
     generated = await asyncio.to_thread(_generated)
     await asyncio.sleep(0.5)
     assert await asyncio.to_thread(_generated) == generated, "tokens generated for nobody"
