@@ -13,7 +13,8 @@ tracing on, a root span opens before all of them, ``stages/trace.py``):
 6. (the response cache goes here: a hit costs no slot and no backend);
 7. fair admission: a slot of the pool, only for requests that will reach it;
 8. dispatch: a backend past its breaker, one retry before the first byte; its ``usage`` settles
-   the quota and is metered when the response ends.
+   the quota and is counted by telemetry when the response ends (metering per tenant and day,
+   kept in the store, is the stage still to come after dispatch).
 """
 
 from __future__ import annotations
