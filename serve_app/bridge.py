@@ -51,6 +51,29 @@ class PoolBridge:
         return self.routed.pop(request_id, None)
 
 
+class BridgedPool:
+    """``PoolControl`` answered from the pool's bridge: the part both pool backends share (the
+    one over a Serve handle, whose router keeps the bridge current, and the in-process one).
+    A subclass sets ``bridge`` and provides ``wake``."""
+
+    bridge: PoolBridge
+
+    @property
+    def pool(self) -> BridgedPool:
+        return self
+
+    def replica_count(self) -> int | None:
+        """Replicas that can take a request now; None until the pool's router has heard."""
+        ids = self.bridge.replica_ids
+        return None if ids is None else len(ids)
+
+    def avoid(self, request_id: str, replica_id: str) -> None:
+        self.bridge.avoid[request_id] = replica_id
+
+    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        return self.bridge.take_routed(request_id)
+
+
 _bridges: dict[tuple[str, str], PoolBridge] = {}
 
 

@@ -8,7 +8,6 @@ endpoints come from the environment, and only by the variable names written here
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -295,14 +294,13 @@ class StoreConfig(_Strict):
         """Whether a shared store (Redis) is configured, resolvable or not."""
         return bool(self.redis_url or self.redis_url_env)
 
-    def resolved_url(self, environ: Mapping[str, str] | None = None) -> str | None:
+    def resolved_url(self) -> str | None:
         """The Redis URL, or None for the embedded store; ``ConfigError`` when Redis is
         configured by a variable that is not set (and no ``redis_url`` stands in for it)."""
         import os
 
-        environ = os.environ if environ is None else environ
-        if self.redis_url_env and environ.get(self.redis_url_env):
-            return environ[self.redis_url_env]
+        if self.redis_url_env and os.environ.get(self.redis_url_env):
+            return os.environ[self.redis_url_env]
         if self.redis_url_env and not self.redis_url:
             raise ConfigError(
                 f"store.redis_url_env names {self.redis_url_env}, which is not set in the "

@@ -11,19 +11,12 @@ import asyncio
 import logging
 import sys
 
-import ray
 from ray import serve
-from ray.serve._private.constants import (
-    RAY_SERVE_ENABLE_DIRECT_INGRESS,
-    RAY_SERVE_LOG_TO_STDERR,
-    SERVE_CONTROLLER_NAME,
-    SERVE_NAMESPACE,
-)
-from ray.serve.config import ProxyLocation
-from ray.serve.context import ReplicaContext
+from ray.serve._private.constants import RAY_SERVE_LOG_TO_STDERR
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
+from serve_app import replica_admin
 from serve_app.auth import KeyRing
 from serve_app.backends.base import Backend
 from serve_app.backends.fallback import FallbackBackend
@@ -89,10 +82,6 @@ class GatewayIngress(Gateway):
         )
         return self.asgi_app()
 
-    # How long a new replica waits for Serve to list its direct-ingress port before it says
-    # where it listens without it (a replica is listed once it is running: seconds).
-    _DIRECT_PORT_WAIT_S = 120.0
-
     async def _announce_listening(self) -> None:
         """One line once this replica is up: where its requests come in.
 
@@ -102,7 +91,7 @@ class GatewayIngress(Gateway):
         """
         context = serve.get_replica_context()
         try:
-            where = await self._listening_addresses(context)
+            where = await replica_admin.listening_addresses(context)
         except Exception as err:  # a start-up note must never fail a replica
             where = f":8000 via Serve's proxy (its options were not readable: {err!r})"
         message = (
@@ -113,36 +102,3 @@ class GatewayIngress(Gateway):
         if not RAY_SERVE_LOG_TO_STDERR:
             sys.__stderr__.write(f"INFO {message}\n")
             sys.__stderr__.flush()
-
-    async def _listening_addresses(self, context: ReplicaContext) -> str:
-        controller = await asyncio.to_thread(
-            ray.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE
-        )
-        http = await controller.get_http_config.remote()
-        location = await controller.get_proxy_location.remote()
-        if location == ProxyLocation.Disabled:
-            proxy = "no Serve proxy (proxy_location: Disabled)"
-        else:
-            proxy = f"http://{http.host}:{http.port} via Serve's proxy ({location.value})"
-        if not RAY_SERVE_ENABLE_DIRECT_INGRESS:
-            return proxy
-        # Serve lists an ingress replica's own HTTP port once the replica is running.
-        actor_name = context.replica_id.to_full_id_str()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._DIRECT_PORT_WAIT_S
-        while True:
-            for group in await controller.get_target_groups.remote(context.app_name):
-                if group.protocol != "HTTP":
-                    continue
-                for target in group.targets:
-                    if target.name == actor_name:
-                        return (
-                            f"{proxy}, and http://{target.ip}:{target.port} "
-                            "(this replica's own port: direct ingress)"
-                        )
-            if loop.time() >= deadline:
-                return (
-                    f"{proxy} (direct ingress is on, but Serve listed no port for this replica "
-                    f"within {self._DIRECT_PORT_WAIT_S:g} s)"
-                )
-            await asyncio.sleep(0.5)

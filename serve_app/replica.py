@@ -19,7 +19,7 @@ from ray.serve.metrics import Gauge
 from serve_app.config import PoolConfig, TracingConfig
 from serve_app.engines.base import Engine, Kind, Usage
 from serve_app.faults import FaultInjector, FaultSpec
-from serve_app.tracing import extract, tracer_for
+from serve_app.tracing import describe_usage, extract, tracer_for
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,44 +65,38 @@ class Replica:
     ) -> AsyncIterator[list]:
         """Stream one request as lists of ready items; the first list starts with metadata."""
         with self._span(trace_context, request_id) as span:
-            async with contextlib.aclosing(self._stream(body, kind, request_id)) as batches:
-                async for batch in batches:
-                    for item in batch:
-                        if type(item) is dict and "usage" in item:
-                            _describe_usage(span, item["usage"])
-                    yield batch
-
-    async def _stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[list]:
-        await self._ensure_started()
-        await self.faults.before_first_frame()
-        queue: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
-        sent = 0
-        try:
-            batch: list = [{"replica": self.replica_id}]
-            while True:
-                item = await queue.get()
+            await self._ensure_started()
+            await self.faults.before_first_frame()
+            queue: asyncio.Queue = asyncio.Queue()
+            producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
+            sent = 0
+            try:
+                batch: list = [{"replica": self.replica_id}]
                 while True:
-                    if item is _END:
-                        if batch:
-                            yield batch
-                        return
-                    if isinstance(item, BaseException):
-                        raise item
-                    if isinstance(item, Usage):
-                        batch.append({"usage": item.to_openai()})
-                    else:
-                        batch.append(item)
-                        sent += 1
-                        self.faults.after_frame(sent)
-                    if queue.empty():
-                        break
-                    item = queue.get_nowait()
-                yield batch
-                batch = []
-        finally:
-            # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
-            producer.cancel()
+                    item = await queue.get()
+                    while True:
+                        if item is _END:
+                            if batch:
+                                yield batch
+                            return
+                        if isinstance(item, BaseException):
+                            raise item
+                        if isinstance(item, Usage):
+                            usage = item.to_openai()
+                            batch.append({"usage": usage})
+                            describe_usage(span, usage)
+                        else:
+                            batch.append(item)
+                            sent += 1
+                            self.faults.after_frame(sent)
+                        if queue.empty():
+                            break
+                        item = queue.get_nowait()
+                    yield batch
+                    batch = []
+            finally:
+                # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
+                producer.cancel()
 
     async def _produce(self, body: dict, kind: Kind, request_id: str, queue: asyncio.Queue):
         try:
@@ -123,7 +117,7 @@ class Replica:
             await self.faults.before_first_frame()
             response, _ = await self.engine.complete(body, kind, request_id)
             self.faults.after_frame(self.faults.spec.after_frames)
-            _describe_usage(span, response.get("usage"))
+            describe_usage(span, response.get("usage"))
             return {"response": response, "replica": self.replica_id}
 
     @contextlib.contextmanager
@@ -212,10 +206,3 @@ class Replica:
 
     async def __del__(self) -> None:
         await self.engine.shutdown()
-
-
-def _describe_usage(span: trace.Span, usage: dict | None) -> None:
-    for field in ("prompt_tokens", "completion_tokens"):
-        value = (usage or {}).get(field)
-        if isinstance(value, int):
-            span.set_attribute(f"forge.{field}", value)

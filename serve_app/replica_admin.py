@@ -3,17 +3,25 @@
 Serve handles route each call to a replica of their choosing; operators, drills and tests need
 the opposite (this replica, that fault). Replicas are named Ray actors, so this module calls
 the user method on the named replica actor the same way a handle would. It touches Serve's
-private request metadata, on purpose in this one place, and is never on the request path.
+private request metadata and controller, on purpose in this one place, and is never on the
+request path (the gateway's start-up line asks it where the replica listens).
 """
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import uuid
 
 import ray
 from ray.serve._private.common import RequestMetadata
-from ray.serve._private.constants import SERVE_NAMESPACE
+from ray.serve._private.constants import (
+    RAY_SERVE_ENABLE_DIRECT_INGRESS,
+    SERVE_CONTROLLER_NAME,
+    SERVE_NAMESPACE,
+)
+from ray.serve.config import ProxyLocation
+from ray.serve.context import ReplicaContext
 
 _PREFIX = "SERVE_REPLICA::"
 
@@ -89,3 +97,44 @@ def reset_breakers(app: str, backend: str | None = None) -> None:
 def _board(app: str, method: str, *args, timeout_s: float = 10.0):
     (board,) = replica_ids(app, "breaker-board")
     return ray.get(_call(app, "breaker-board", board, method, *args), timeout=timeout_s)
+
+
+# How long a new replica waits for Serve to list its direct-ingress port before it says where it
+# listens without it (a replica is listed once it is running: seconds).
+DIRECT_PORT_WAIT_S = 120.0
+
+
+async def listening_addresses(context: ReplicaContext) -> str:
+    """Where an ingress replica takes requests (for its start-up line): Serve's proxy, and its
+    own direct-ingress port once the controller lists it (up to ``DIRECT_PORT_WAIT_S``)."""
+    controller = await asyncio.to_thread(
+        ray.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE
+    )
+    http = await controller.get_http_config.remote()
+    location = await controller.get_proxy_location.remote()
+    if location == ProxyLocation.Disabled:
+        proxy = "no Serve proxy (proxy_location: Disabled)"
+    else:
+        proxy = f"http://{http.host}:{http.port} via Serve's proxy ({location.value})"
+    if not RAY_SERVE_ENABLE_DIRECT_INGRESS:
+        return proxy
+    # Serve lists an ingress replica's own HTTP port once the replica is running.
+    actor_name = context.replica_id.to_full_id_str()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DIRECT_PORT_WAIT_S
+    while True:
+        for group in await controller.get_target_groups.remote(context.app_name):
+            if group.protocol != "HTTP":
+                continue
+            for target in group.targets:
+                if target.name == actor_name:
+                    return (
+                        f"{proxy}, and http://{target.ip}:{target.port} "
+                        "(this replica's own port: direct ingress)"
+                    )
+        if loop.time() >= deadline:
+            return (
+                f"{proxy} (direct ingress is on, but Serve listed no port for this replica "
+                f"within {DIRECT_PORT_WAIT_S:g} s)"
+            )
+        await asyncio.sleep(0.5)

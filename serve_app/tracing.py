@@ -62,6 +62,14 @@ def carrier() -> dict[str, str] | None:
     return headers
 
 
+def describe_usage(span: trace.Span, usage: dict | None) -> None:
+    """Token counts on a span: the engine's own numbers (never the text they count)."""
+    for field in ("prompt_tokens", "completion_tokens"):
+        value = (usage or {}).get(field)
+        if isinstance(value, int):
+            span.set_attribute(f"forge.{field}", value)
+
+
 def extract(headers: Mapping[str, str] | None) -> Context | None:
     """The context a caller sent (a client's headers, or a gateway's ``carrier()``)."""
     return propagate.extract(headers) if headers else None

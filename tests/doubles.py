@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 
 from serve_app import sse
 from serve_app.errors import ForgeError
+from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import RequestContext
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.store import Bucket, Store, StoreError, StoreUnavailable, TakeResult
@@ -52,26 +53,13 @@ class Counter:
 
 
 class RecordingMetrics:
-    """``ForgeMetrics``' surface, recording instead of exporting; ``record`` keeps its kwargs."""
+    """``ForgeMetrics``' surface, recording instead of exporting; ``record`` keeps its kwargs.
+    Its series are ``ForgeMetrics``' own, read from a real one, so the two cannot drift."""
+
+    SERIES = tuple(vars(ForgeMetrics()))
 
     def __init__(self) -> None:
-        for name in (
-            "requests",
-            "ttft",
-            "duration",
-            "tokens",
-            "shed",
-            "store_errors",
-            "unmetered",
-            "store_state",
-            "admitted",
-            "admission_errors",
-            "retries",
-            "retries_denied",
-            "retry_budget",
-            "backend_skipped",
-            "board_errors",
-        ):
+        for name in self.SERIES:
             setattr(self, name, Counter())
         self.recorded: list[dict] = []
 

@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator, Sequence
 
 from serve_app import errors
 from serve_app.backends.base import Timeouts, paced
-from serve_app.bridge import PoolBridge, replica_backend
+from serve_app.bridge import BridgedPool, PoolBridge, replica_backend
 from serve_app.engines.base import EngineError, Kind
 from serve_app.replica import Replica
 from serve_app.resilience.breaker import State
 from serve_app.tracing import carrier
 
 
-class LocalPoolBackend:
+class LocalPoolBackend(BridgedPool):
     def __init__(
         self,
         name: str,
@@ -31,7 +31,6 @@ class LocalPoolBackend:
         bridge: PoolBridge | None = None,
     ) -> None:
         self.name = name
-        self.pool = self
         self.timeouts = timeouts
         self.bridge = bridge or PoolBridge()
         self.replicas = {r.replica_id: r for r in replicas}
@@ -40,19 +39,8 @@ class LocalPoolBackend:
         self.bridge.replica_ids = frozenset(self.replicas)
         self._turn = itertools.count()
 
-    # -- PoolControl -------------------------------------------------------------------------
-
-    def replica_count(self) -> int | None:
-        return len(self.replicas)
-
     def wake(self) -> None:
         """In-process replicas are never scaled to zero."""
-
-    def avoid(self, request_id: str, replica_id: str) -> None:
-        self.bridge.avoid[request_id] = replica_id
-
-    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
-        return self.bridge.take_routed(request_id)
 
     # -- Backend -----------------------------------------------------------------------------
 

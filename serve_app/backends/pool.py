@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import errors
 from serve_app.backends.base import Timeouts, paced
-from serve_app.bridge import PoolBridge
+from serve_app.bridge import BridgedPool, PoolBridge
 from serve_app.config import PoolConfig
 from serve_app.engines.base import EngineError, Kind
 from serve_app.tracing import carrier
@@ -76,7 +76,7 @@ def pool_timeouts(pool: PoolConfig) -> Timeouts:
     )
 
 
-class PoolBackend:
+class PoolBackend(BridgedPool):
     def __init__(
         self,
         name: str,
@@ -87,29 +87,15 @@ class PoolBackend:
         self.name = name
         self.timeouts = timeouts
         self.bridge = bridge or PoolBridge()
-        self.pool = self
         self._handle = handle
         self._stream = handle.options(stream=True)  # also starts the router's replica updates
         self._waking: asyncio.Task | None = None
-
-    # -- PoolControl -------------------------------------------------------------------------
-
-    def replica_count(self) -> int | None:
-        """Replicas Serve can route to now; None until the router has heard from Serve."""
-        ids = self.bridge.replica_ids
-        return None if ids is None else len(ids)
 
     def wake(self) -> None:
         """Wake a pool scaled to zero: one call that waits at the handle makes Serve's
         autoscaler start a replica, while clients are served elsewhere."""
         if self._waking is None or self._waking.done():
             self._waking = asyncio.get_running_loop().create_task(self._warm_up())
-
-    def avoid(self, request_id: str, replica_id: str) -> None:
-        self.bridge.avoid[request_id] = replica_id
-
-    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
-        return self.bridge.take_routed(request_id)
 
     async def _warm_up(self) -> None:
         try:

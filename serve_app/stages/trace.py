@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind, Tracer
 from starlette.responses import Response
 
 from serve_app.pipeline import Handler, RequestContext, on_response_end
-from serve_app.tracing import extract
+from serve_app.tracing import describe_usage, extract
 
 
 class TraceStage:
@@ -56,7 +56,4 @@ def _describe(span: trace.Span, ctx: RequestContext) -> None:
         span.set_attribute("forge.replica", ctx.replica)
     if ctx.first_byte_at is not None:
         span.set_attribute("forge.ttft_ms", round((ctx.first_byte_at - ctx.started) * 1000, 2))
-    for field in ("prompt_tokens", "completion_tokens"):
-        value = (ctx.usage or {}).get(field)
-        if isinstance(value, int):
-            span.set_attribute(f"forge.{field}", value)
+    describe_usage(span, ctx.usage)

@@ -17,7 +17,6 @@ from serve_app.stages import quota as quota_module
 from serve_app.stages.quota import QuotaStage
 from serve_app.store import MemoryStore, StoreError
 from tests.doubles import DownStore, RecordingMetrics
-from tests.polling import eventually_async
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -121,16 +120,15 @@ async def test_a_refused_lease_is_a_429_even_when_its_refund_fails():
     metrics, t = RecordingMetrics(), tenant(tpm=10_000, max_concurrent_streams=1)
     store = RefundFails()
     stage = QuotaStage(store, metrics, [t], {})
-    held = asyncio.Event()
+    serving, held = asyncio.Event(), asyncio.Event()
 
     async def holds_its_stream(ctx: RequestContext) -> Response:
+        serving.set()  # past quota: its lease is held
         await held.wait()
         return Response(b"{}")
 
     first = asyncio.create_task(stage(ctx_for(t), holds_its_stream))
-    await eventually_async(
-        lambda: store._data.get(TenantQuota.of(t).stream_key), timeout_s=2, what="the lease"
-    )
+    await asyncio.wait_for(serving.wait(), 2)
     with pytest.raises(ForgeError) as info:
         await stage(ctx_for(t), answered({}))
     assert info.value.status == 429

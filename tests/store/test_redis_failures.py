@@ -193,3 +193,20 @@ async def test_every_key_is_prefixed_and_expires(redis_admin: Redis, key_prefix:
     assert 199 < ttls["quota:t:tpm"] <= 200  # twice the 100 s it takes to refill from empty
     assert 4 < ttls["quota:t:small"] <= 5  # a tiny deficit still gets the minimum
     assert 29 < ttls["streams:t"] <= 30
+
+
+async def test_our_own_busy_pool_is_load_not_an_outage(silent_server: int) -> None:
+    """A call that waited in vain for a pooled connection says nothing about Redis (the other
+    call holds it): a plain StoreError, which GuardedStore does not count towards skipping the
+    store. The call that timed out on the wire is StoreUnavailable."""
+    store = RedisStore.from_url(
+        f"redis://127.0.0.1:{silent_server}/0", timeout_s=0.1, max_connections=1
+    )
+    try:
+        results = await asyncio.gather(
+            store.take([BUCKET], [1]), store.take([BUCKET], [1]), return_exceptions=True
+        )
+    finally:
+        await store.close()
+    kinds = sorted(type(r).__name__ for r in results)
+    assert kinds == ["StoreError", "StoreUnavailable"], results
