@@ -54,9 +54,11 @@ class PoolBridge:
 class BridgedPool:
     """``PoolControl`` answered from the pool's bridge: the part both pool backends share (the
     one over a Serve handle, whose router keeps the bridge current, and the in-process one).
-    A subclass sets ``bridge`` and provides ``wake``."""
+    A subclass provides ``wake``."""
 
-    bridge: PoolBridge
+    def __init__(self, name: str, bridge: PoolBridge | None = None) -> None:
+        self.name = name  # the pool's name: its breaker's, and its replicas' prefix
+        self.bridge = bridge or PoolBridge()
 
     @property
     def pool(self) -> BridgedPool:

@@ -30,9 +30,8 @@ class LocalPoolBackend(BridgedPool):
         timeouts: Timeouts,
         bridge: PoolBridge | None = None,
     ) -> None:
-        self.name = name
+        super().__init__(name, bridge)
         self.timeouts = timeouts
-        self.bridge = bridge or PoolBridge()
         self.replicas = {r.replica_id: r for r in replicas}
         if len(self.replicas) != len(replicas):
             raise ValueError("local replicas need distinct replica_id values")

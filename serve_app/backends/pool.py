@@ -84,9 +84,8 @@ class PoolBackend(BridgedPool):
         timeouts: Timeouts,
         bridge: PoolBridge | None = None,
     ) -> None:
-        self.name = name
+        super().__init__(name, bridge)
         self.timeouts = timeouts
-        self.bridge = bridge or PoolBridge()
         self._handle = handle
         self._stream = handle.options(stream=True)  # also starts the router's replica updates
         self._waking: asyncio.Task | None = None
