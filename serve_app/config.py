@@ -166,6 +166,18 @@ class AdmissionConfig(_Strict):
     batch_every: Annotated[int, Field(ge=2)] = 5  # while both tiers wait, 1 grant in N is batch
     # Most of the slots one tenant may hold: the rest is headroom for others to start at once.
     max_tenant_share: Annotated[float, Field(gt=0, le=1)] = 1.0
+    # How long a gateway replica keeps a finished request's slot for its next request while
+    # nobody is queued (admission without a scheduler call; serve_app/warm_slots.py). 0: never.
+    keep_warm_s: Annotated[float, Field(ge=0)] = 10.0
+
+    @model_validator(mode="after")
+    def _parked_slots_outlive_no_lease(self) -> AdmissionConfig:
+        if self.keep_warm_s > self.lease_ttl_s / 2:
+            raise ValueError(
+                f"keep_warm_s ({self.keep_warm_s}) must be at most half of lease_ttl_s "
+                f"({self.lease_ttl_s}): a parked slot is not renewed"
+            )
+        return self
 
 
 class RoutingConfig(_Strict):

@@ -65,6 +65,11 @@ class Gateway:
             self.fallback_health.start()
 
     async def aclose(self) -> None:
+        for stage in self.pipeline.stages:
+            close = getattr(stage, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
         if self.fallback_health is not None:
             await self.fallback_health.aclose()
         await self.breakers.aclose()

@@ -69,14 +69,21 @@ def set_fault_all(app: str, deployment: str, spec: dict | None) -> list[str]:
 
 def direct_ingress_url(app: str) -> str | None:
     """The HTTP URL of one of the app's ingress replicas when Serve runs with direct ingress."""
+    urls = direct_ingress_urls(app)
+    return urls[0] if urls else None
+
+
+def direct_ingress_urls(app: str) -> list[str]:
+    """The HTTP URL of each of the app's ingress replicas (none without direct ingress)."""
     from ray.serve.context import _get_global_client
 
     details = _get_global_client().get_serve_details()
-    for group in details.get("target_groups", []):
-        if group.get("app_name") == app and group.get("protocol", "HTTP") == "HTTP":
-            for target in group.get("targets", []):
-                return f"http://{target['ip']}:{target['port']}"
-    return None
+    return [
+        f"http://{target['ip']}:{target['port']}"
+        for group in details.get("target_groups", [])
+        if group.get("app_name") == app and group.get("protocol", "HTTP") == "HTTP"
+        for target in group.get("targets", [])
+    ]
 
 
 def breaker_states(app: str) -> dict[str, tuple[int, float]]:
@@ -94,9 +101,19 @@ def reset_breakers(app: str, backend: str | None = None) -> None:
     _board(app, "reset", backend)
 
 
+def scheduler_snapshot(app: str, pool: str) -> dict:
+    """A pool's fair-admission numbers: slots used and parked, queues, in flight by tenant."""
+    return _single(app, f"scheduler-{pool}", "snapshot")
+
+
 def _board(app: str, method: str, *args, timeout_s: float = 10.0):
-    (board,) = replica_ids(app, "breaker-board")
-    return ray.get(_call(app, "breaker-board", board, method, *args), timeout=timeout_s)
+    return _single(app, "breaker-board", method, *args, timeout_s=timeout_s)
+
+
+def _single(app: str, deployment: str, method: str, *args, timeout_s: float = 10.0):
+    """Call a deployment that has exactly one replica (the board, a pool's scheduler)."""
+    (replica,) = replica_ids(app, deployment)
+    return ray.get(_call(app, deployment, replica, method, *args), timeout=timeout_s)
 
 
 # How long a new replica waits for Serve to list its direct-ingress port before it says where it

@@ -52,6 +52,13 @@ weighted mean (α = 0.2) of the hold times of released leases (expired leases ar
 hold times, and are left out); 1 s until the first release. The 1 s floor matches HTTP's
 whole-second ``Retry-After`` and keeps a shed client from retrying hot.
 
+Parked slots: a gateway replica may keep a slot it has finished with for its next request
+instead of handing it back (``park``), and later give it to that request's tenant (``claim``), so
+an uncontended pool admits without a round trip to the scheduler. A parked slot stays in the
+budget (``max_inflight`` still bounds parked + held), counts against no tenant, and renews its
+lease; ``contended`` (someone is queued) and ``until_contended`` tell holders to hand parked
+slots back. The gateway side is ``serve_app/warm_slots.py``.
+
 Which tier a request runs at (the tenant's own, or a request header when the tenant may choose) is
 the gateway's decision; the scheduler takes the answer as ``acquire(..., tier=...)``.
 """
@@ -71,6 +78,7 @@ Tier = Literal["interactive", "batch"]
 ShedReason = Literal["queue_full", "deadline", "overload", "preempted"]
 
 TIERS: tuple[Tier, ...] = ("interactive", "batch")
+PARKED = ""  # the tenant of a slot parked on a gateway replica between two requests
 HOLD_EWMA_ALPHA = 0.2
 UNKNOWN_HOLD_S = 1.0
 MIN_RETRY_AFTER_S = 1.0
@@ -102,6 +110,7 @@ class Grant:
     tier: Tier
     granted_at: float
     expires_at: float
+    waited: bool = False  # granted from a queue, not at once
 
 
 class Shed(Exception):
@@ -123,7 +132,8 @@ class SchedulerSnapshot:
     """Point-in-time numbers for metrics; counters are cumulative since the scheduler started."""
 
     slots_total: int
-    slots_used: int
+    slots_used: int  # parked slots included: they are held
+    parked: int
     queued: dict[str, int]
     inflight: dict[str, int]
     queued_by_tier: dict[str, int]
@@ -192,6 +202,8 @@ class FairScheduler:
         self._seq = 0
 
         self._leases: dict[str, Grant] = {}
+        self._parked = 0
+        self._contended = asyncio.Event()  # set while anyone is queued
         self._inflight: Counter[str] = Counter()
         self._next_expiry = math.inf  # a lower bound on the earliest lease expiry
 
@@ -261,14 +273,45 @@ class FairScheduler:
         grant = self._leases.pop(lease_id, None)
         if grant is None:
             return False
-        self._drop_inflight(grant.tenant)
-        hold = max(0.0, self._clock() - grant.granted_at)
-        if self._mean_hold_s is None:
-            self._mean_hold_s = hold
-        else:
-            self._mean_hold_s += HOLD_EWMA_ALPHA * (hold - self._mean_hold_s)
+        self._vacate(grant, hold_ended=True)
         self._dispatch()
         return True
+
+    def park(self, lease_id: str) -> bool:
+        """Keep a finished request's slot for its gateway replica's next request: it stays held,
+        counts against no tenant, and its lease is renewed. False if the lease is unknown."""
+        grant = self._leases.get(lease_id)
+        if grant is None:
+            return False
+        self._vacate(grant, hold_ended=True)
+        self._parked += 1
+        now = self._clock()
+        self._leases[lease_id] = Grant(lease_id, PARKED, grant.tier, now, now + self.lease_ttl_s)
+        self._next_expiry = min(self._next_expiry, now + self.lease_ttl_s)
+        return True
+
+    def claim(self, lease_id: str, tenant: str, tier: Tier) -> bool:
+        """Give a parked slot to ``tenant``'s request (admitted already, on its gateway replica);
+        False if the lease is unknown (expired, or the scheduler restarted)."""
+        grant = self._leases.get(lease_id)
+        if grant is None:
+            return False
+        self._vacate(grant, hold_ended=False)
+        self._seen.setdefault(tenant, None)
+        now = self._clock()
+        self._leases[lease_id] = Grant(lease_id, tenant, tier, now, now + self.lease_ttl_s)
+        self._inflight[tenant] += 1
+        self._granted[tenant] += 1
+        return True
+
+    @property
+    def contended(self) -> bool:
+        """Someone is queued: parked slots should come back."""
+        return self._contended.is_set()
+
+    async def until_contended(self) -> None:
+        """Return once someone is queued (at once if someone is now)."""
+        await self._contended.wait()
 
     def renew(self, lease_id: str, now: float | None = None) -> Grant | None:
         """Push a lease's expiry to ``now + lease_ttl_s``; None if it was released or expired."""
@@ -286,8 +329,8 @@ class FairScheduler:
         expired = [g for g in self._leases.values() if g.expires_at <= now]
         for grant in expired:
             del self._leases[grant.lease_id]
-            self._drop_inflight(grant.tenant)
-            self._expired[grant.tenant] += 1
+            self._vacate(grant, hold_ended=False)
+            self._expired[grant.tenant or "(parked)"] += 1
         self._next_expiry = min((g.expires_at for g in self._leases.values()), default=math.inf)
         if expired:
             self._dispatch()
@@ -314,6 +357,7 @@ class FairScheduler:
         return SchedulerSnapshot(
             slots_total=self.max_inflight,
             slots_used=self.slots_used,
+            parked=self._parked,
             queued={t: self._queued_tenant[t] for t in tenants},
             inflight={t: self._inflight[t] for t in tenants},
             queued_by_tier={t: self._queued_tier[t] for t in TIERS},
@@ -326,13 +370,30 @@ class FairScheduler:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _lease(self, tenant: str, tier: Tier, now: float) -> Grant:
-        grant = Grant(uuid.uuid4().hex, tenant, tier, now, now + self.lease_ttl_s)
+    def _lease(self, tenant: str, tier: Tier, now: float, waited: bool = False) -> Grant:
+        grant = Grant(uuid.uuid4().hex, tenant, tier, now, now + self.lease_ttl_s, waited)
         self._leases[grant.lease_id] = grant
         self._inflight[tenant] += 1
         self._granted[tenant] += 1
         self._next_expiry = min(self._next_expiry, grant.expires_at)
         return grant
+
+    def _vacate(self, grant: Grant, *, hold_ended: bool) -> None:
+        """Stop counting ``grant`` where it counted: as parked, or against its tenant (whose
+        hold time feeds ``retry_after_s`` when the request ended rather than died)."""
+        if grant.tenant == PARKED:
+            self._parked -= 1
+            return
+        self._drop_inflight(grant.tenant)
+        if hold_ended:
+            self._note_hold(grant)
+
+    def _note_hold(self, grant: Grant) -> None:
+        hold = max(0.0, self._clock() - grant.granted_at)
+        if self._mean_hold_s is None:
+            self._mean_hold_s = hold
+        else:
+            self._mean_hold_s += HOLD_EWMA_ALPHA * (hold - self._mean_hold_s)
 
     def _drop_inflight(self, tenant: str) -> None:
         self._inflight[tenant] -= 1
@@ -347,6 +408,7 @@ class FairScheduler:
         self._queues[waiter.tier].setdefault(waiter.tenant, deque()).append(waiter)
         self._queued_tenant[waiter.tenant] += 1
         self._queued_tier[waiter.tier] += 1
+        self._contended.set()
 
     def _remove(self, waiter: _Waiter) -> None:
         """Take a waiter out of its queue (from anywhere in it); leaves its future alone."""
@@ -364,6 +426,8 @@ class FairScheduler:
         if self._queued_tenant[waiter.tenant] <= 0:
             del self._queued_tenant[waiter.tenant]
         self._queued_tier[waiter.tier] -= 1
+        if self.queued_total == 0:
+            self._contended.clear()
         if waiter.timer is not None:
             waiter.timer.cancel()
 
@@ -417,7 +481,7 @@ class FairScheduler:
             if waiter.future.done():
                 # Cancelled, and its task has not run its cleanup yet: it just leaves the queue.
                 continue
-            waiter.future.set_result(self._lease(tenant, tier, self._clock()))
+            waiter.future.set_result(self._lease(tenant, tier, self._clock(), waited=True))
 
     def _on_deadline(self, waiter: _Waiter) -> None:
         if waiter.future.done():

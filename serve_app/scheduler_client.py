@@ -1,4 +1,10 @@
-"""How the admission stage talks to a pool's ``FairScheduler``: one small typed seam.
+"""How a gateway replica talks to a pool's ``FairScheduler``: one small typed seam.
+
+What crosses it: an ``acquire`` (which may wait in the tenant's queue), and ``SlotOp``s, the
+gateway's notes on slots it already holds (claim a parked slot for a tenant, park a finished
+one, release one), applied in order, riding on the next acquire or sent alone by ``sync``.
+Every answer says whether the pool is contended, so holders of parked slots know to give them
+back; ``until_contended`` pushes that news. ``serve_app/warm_slots.py`` decides what to send.
 
 Two implementations: ``LocalSchedulerClient`` owns a ``FairScheduler`` in this process (the
 scheduler deployment runs one; so do tests and a gateway served without Ray), and
@@ -10,32 +16,67 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from serve_app.config import AdmissionConfig, TenantConfig
 from serve_app.scheduler import FairScheduler, TenantShare
+
+# ("claim", lease_id, tenant, tier) | ("park", lease_id) | ("release", lease_id): plain tuples,
+# because they cross a Serve handle on the request path and pickle small.
+SlotOp = tuple[str, ...]
+OpKind = Literal["claim", "park", "release"]
 
 
 @dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: str
     ttl_s: float  # renew well before this, or the scheduler reclaims the slot
+    contended: bool = False  # someone was queued when this was granted
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReply:
+    contended: bool
+    lost: tuple[str, ...] = ()  # leases in the ops the scheduler no longer knows
 
 
 class SchedulerClient(Protocol):
-    async def acquire(self, tenant: str, tier: str | None, released: Sequence[str] = ()) -> Lease:
+    async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
         """A slot for ``tenant`` (waiting in its queue up to the pool's deadline), or raise
-        ``scheduler.Shed``. ``released``: leases freed since the last call, given back first
-        (so a busy gateway pays one round trip per request, not two)."""
+        ``scheduler.Shed``. ``ops`` are applied first (so a busy gateway pays one round trip
+        per request, not two)."""
         ...
 
-    def release(self, lease_ids: Sequence[str]) -> None:
-        """Give slots back without waiting for an answer."""
+    async def sync(self, ops: Sequence[SlotOp]) -> SyncReply:
+        """Apply ``ops`` in order; say whether anyone is queued."""
+        ...
+
+    async def until_contended(self) -> None:
+        """Return once someone is queued for a slot."""
         ...
 
     async def renew(self, lease_id: str) -> bool:
         """Keep a live request's lease; False if the scheduler no longer knows it."""
         ...
+
+
+def apply_ops(scheduler: FairScheduler, ops: Sequence[SlotOp]) -> SyncReply:
+    """Apply a gateway's slot ops in the order it made them (a claim may follow the park of
+    the same slot)."""
+    lost: list[str] = []
+    for op in ops:
+        kind, lease_id = op[0], op[1]
+        if kind == "claim":
+            known = scheduler.claim(lease_id, op[2], op[3])  # type: ignore[arg-type]
+        elif kind == "park":
+            known = scheduler.park(lease_id)
+        elif kind == "release":
+            known = scheduler.release(lease_id)
+        else:
+            raise ValueError(f"unknown slot op {kind!r}")
+        if not known and kind != "release":
+            lost.append(lease_id)
+    return SyncReply(scheduler.contended, tuple(lost))
 
 
 class LocalSchedulerClient:
@@ -45,17 +86,18 @@ class LocalSchedulerClient:
         self.scheduler = scheduler
         self.deadline_s = deadline_s
 
-    async def acquire(self, tenant: str, tier: str | None, released: Sequence[str] = ()) -> Lease:
-        # Released first, so their slots go to whoever waited longest, as a separate call would.
-        self._give_back(released)
+    async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
+        # Ops first, so freed slots go to whoever waited longest, as a separate call would.
+        apply_ops(self.scheduler, ops)
         grant = await self.scheduler.acquire(tenant, tier=tier, deadline_s=self.deadline_s)
-        return Lease(grant.lease_id, grant.expires_at - grant.granted_at)
+        ttl_s = grant.expires_at - grant.granted_at
+        return Lease(grant.lease_id, ttl_s, grant.waited or self.scheduler.contended)
 
-    def release(self, lease_ids: Sequence[str]) -> int:
-        return self._give_back(lease_ids)
+    async def sync(self, ops: Sequence[SlotOp]) -> SyncReply:
+        return apply_ops(self.scheduler, ops)
 
-    def _give_back(self, lease_ids: Sequence[str]) -> int:
-        return sum(self.scheduler.release(lease_id) for lease_id in lease_ids)
+    async def until_contended(self) -> None:
+        await self.scheduler.until_contended()
 
     async def renew(self, lease_id: str) -> bool:
         return self.scheduler.renew(lease_id) is not None

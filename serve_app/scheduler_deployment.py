@@ -17,7 +17,14 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AdmissionConfig, TenantConfig
 from serve_app.metrics import gauge
-from serve_app.scheduler_client import Lease, LocalSchedulerClient, fair_scheduler
+from serve_app.scheduler_client import (
+    Lease,
+    LocalSchedulerClient,
+    SlotOp,
+    SyncReply,
+    apply_ops,
+    fair_scheduler,
+)
 
 _EXPORT_EVERY_S = 1.0
 
@@ -37,6 +44,11 @@ class SchedulerDeployment:
             "tenant",
         )
         self._slots = gauge("forge_slots_in_use", "Admission slots held, by pool.", "pool")
+        self._parked = gauge(
+            "forge_slots_parked",
+            "Slots held by gateway replicas between requests, by pool (in slots_in_use).",
+            "pool",
+        )
         self._slots_total = gauge("forge_slots_total", "Admission slots a pool has.", "pool")
         self._housekeeping: asyncio.Task | None = None
 
@@ -55,19 +67,26 @@ class SchedulerDeployment:
                 depth = snap.queued.get(tenant, 0)
                 self._queue_depth.set(depth, tags={"pool": self.pool, "tenant": tenant})
             self._slots.set(snap.slots_used, tags={"pool": self.pool})
+            self._parked.set(snap.parked, tags={"pool": self.pool})
             self._slots_total.set(snap.slots_total, tags={"pool": self.pool})
             await asyncio.sleep(_EXPORT_EVERY_S)
 
     async def acquire(
-        self, tenant: str, tier: str | None, released: Sequence[str] = ()
-    ) -> tuple[str, float]:
-        """A lease id and its TTL, or ``scheduler.Shed`` (raised through the handle)."""
+        self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()
+    ) -> tuple[str, float, bool]:
+        """A lease id, its TTL and whether the pool was contended, or ``scheduler.Shed``
+        (raised through the handle)."""
         self._ensure_housekeeping()
-        lease = await self.local.acquire(tenant, tier, released)
-        return lease.lease_id, lease.ttl_s
+        lease = await self.local.acquire(tenant, tier, ops)
+        return lease.lease_id, lease.ttl_s, lease.contended
 
-    def release(self, lease_ids: list[str]) -> int:
-        return self.local.release(lease_ids)
+    def sync(self, ops: list[SlotOp]) -> tuple[bool, tuple[str, ...]]:
+        self._ensure_housekeeping()
+        reply = apply_ops(self.scheduler, ops)
+        return reply.contended, reply.lost
+
+    async def until_contended(self) -> None:
+        await self.scheduler.until_contended()
 
     async def renew(self, lease_id: str) -> bool:
         return await self.local.renew(lease_id)
@@ -77,6 +96,7 @@ class SchedulerDeployment:
         return {
             "slots_total": snap.slots_total,
             "slots_used": snap.slots_used,
+            "parked": snap.parked,
             "queued": snap.queued,
             "inflight": snap.inflight,
             "granted": snap.granted,
@@ -91,12 +111,16 @@ class ServeSchedulerClient:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
 
-    async def acquire(self, tenant: str, tier: str | None, released: Sequence[str] = ()) -> Lease:
-        lease_id, ttl_s = await self._handle.acquire.remote(tenant, tier, list(released))
-        return Lease(lease_id, ttl_s)
+    async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
+        lease_id, ttl_s, contended = await self._handle.acquire.remote(tenant, tier, list(ops))
+        return Lease(lease_id, ttl_s, contended)
 
-    def release(self, lease_ids: Sequence[str]) -> None:
-        self._handle.release.remote(list(lease_ids))
+    async def sync(self, ops: Sequence[SlotOp]) -> SyncReply:
+        contended, lost = await self._handle.sync.remote(list(ops))
+        return SyncReply(contended, tuple(lost))
+
+    async def until_contended(self) -> None:
+        await self._handle.until_contended.remote()
 
     async def renew(self, lease_id: str) -> bool:
         return await self._handle.renew.remote(lease_id)

@@ -19,6 +19,7 @@ tracing on, a root span opens before all of them, ``stages/trace.py``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from opentelemetry.trace import Tracer
 
 from serve_app.auth import KeyRing
 from serve_app.backends.base import Backend
-from serve_app.config import ForgeConfig
+from serve_app.config import AdmissionConfig, ForgeConfig
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
@@ -42,6 +43,7 @@ from serve_app.stages.request_id import RequestIdStage
 from serve_app.stages.telemetry import TelemetryStage
 from serve_app.stages.trace import TraceStage
 from serve_app.store import Store
+from serve_app.warm_slots import WarmSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,7 @@ def build_pipeline(
             {p.model: p.default_max_tokens for p in config.pools},
         ),
         AdmissionStage(
-            {p.model: schedulers[p.name] for p in admitted},
+            {p.model: warm_slots(schedulers[p.name], p.admission) for p in admitted},
             {p.model: p.admission.deadline_s for p in admitted},
             metrics,
         ),
@@ -105,6 +107,12 @@ def build_pipeline(
     inference = compose(stages, traced_endpoint(dispatch, tracer, "forge.dispatch"), tracer)
     listing = compose(front, list_models, tracer)
     return Pipeline(compose([root], inference), compose([root], listing), tuple(stages))
+
+
+def warm_slots(client: SchedulerClient, admission: AdmissionConfig) -> WarmSlots:
+    """This replica's view of a pool's slots, with the scheduler's own per-tenant cap."""
+    tenant_cap = max(1, math.floor(admission.max_inflight * admission.max_tenant_share))
+    return WarmSlots(client, tenant_cap=tenant_cap, keep_warm_s=admission.keep_warm_s)
 
 
 def model_routes(config: ForgeConfig, backends: Mapping[str, Backend]) -> dict[str, list[Backend]]:

@@ -384,3 +384,37 @@ async def test_tenant_share_cap_keeps_headroom_for_another_tenant():
     assert b.tenant == "b" and sched.slots_used == 3
     sched.release(a1.lease_id)
     assert (await asyncio.wait_for(third, 1)).tenant == "a"
+
+
+async def test_a_parked_slot_is_held_for_no_tenant_until_claimed_and_expires_like_any():
+    clock = Clock()
+    sched = FairScheduler(2, lease_ttl_s=10, clock=clock)
+    grant = await sched.acquire("a", deadline_s=LONG)
+    clock.now = 4
+    assert sched.park(grant.lease_id)
+    snap = sched.snapshot()
+    assert (snap.slots_used, snap.parked, snap.inflight) == (1, 1, {"a": 0})
+    assert snap.mean_hold_s == 4, "parking ends the request's hold"
+    assert sched.claim(grant.lease_id, "b", "batch")
+    snap = sched.snapshot()
+    assert (snap.parked, snap.inflight["b"], snap.granted["b"]) == (0, 1, 1)
+    assert sched.park(grant.lease_id)
+    clock.now = 14
+    assert sched.expire_leases() == 1, "a parked lease renews on park and expires after"
+    assert sched.snapshot().parked == 0 and sched.slots_used == 0
+    assert not sched.claim(grant.lease_id, "b", "batch")
+    assert not sched.park(grant.lease_id)
+
+
+async def test_contended_is_set_while_anyone_is_queued_and_wakes_watchers():
+    sched = FairScheduler(1)
+    held = await sched.acquire("a", deadline_s=LONG)
+    watcher = asyncio.create_task(sched.until_contended())
+    await settle()
+    assert not sched.contended and not watcher.done()
+    waiter = asyncio.create_task(sched.acquire("b", deadline_s=LONG))
+    await settle()
+    assert sched.contended and watcher.done()
+    sched.release(held.lease_id)
+    assert (await waiter).waited
+    assert not sched.contended

@@ -1,9 +1,10 @@
 """Fair admission: a slot of the pool, from its scheduler, before dispatch.
 
-One scheduler call to acquire (it may wait in the tenant's queue up to the deadline);
-the release, on every exit path, rides along with the gateway's next acquire, or goes on its own
-after at most ``RELEASE_FLUSH_S`` when no acquire comes (a quiet gateway). A long generation
-renews its lease so the scheduler does not reclaim a live slot. If the scheduler cannot be
+A slot parked on this gateway replica is taken at once when nobody is queued (no call at all);
+otherwise one scheduler call acquires one (it may wait in the tenant's queue up to the deadline).
+``serve_app/warm_slots.py`` keeps the parked slots and batches what the scheduler must hear. The
+slot is released on every exit path. A long generation renews its lease so the scheduler does not
+reclaim a live slot. If the scheduler cannot be
 reached the request is admitted (fail open) and counted: admission protects latency, it must
 never become the outage.
 """
@@ -23,42 +24,62 @@ from serve_app import errors
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
 from serve_app.scheduler import Shed
-from serve_app.scheduler_client import Lease, SchedulerClient
+from serve_app.scheduler_client import Lease
+from serve_app.warm_slots import WarmSlots
 
 logger = logging.getLogger("ray.serve")
 
 PRIORITY_HEADER = "x-forge-priority"
-# Longest a freed slot waits for a ride on an acquire before it is released on its own.
-RELEASE_FLUSH_S = 0.005
 _WARN_EVERY_S = 30.0
 
 
 class AdmissionStage:
     def __init__(
         self,
-        schedulers: Mapping[str, SchedulerClient],
+        slots: Mapping[str, WarmSlots],
         deadlines: Mapping[str, float],
         metrics: ForgeMetrics,
     ) -> None:
-        self.schedulers = schedulers  # model name → its pool's scheduler
+        self.slots = slots  # model name → its pool's slots, as this gateway replica sees them
         self.deadlines = deadlines
         self.metrics = metrics
         self._last_warning = 0.0
-        self._releases = {model: _ReleaseBatch(handle) for model, handle in schedulers.items()}
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
-        scheduler = self.schedulers.get(ctx.parsed.model)
-        if scheduler is None:
+        slots = self.slots.get(ctx.parsed.model)
+        if slots is None:
             return await call_next(ctx)
         tenant = ctx.tenant.name
+        tier = self._tier(ctx)
+        lease = slots.take_parked(tenant, tier) or await self._acquire(slots, ctx, tier)
+        if lease is None:  # the scheduler could not be asked: admitted without a slot
+            return await call_next(ctx)
+
+        self.metrics.admitted.inc(tags={"tenant": tenant})
+        renewer = _KeepAlive(slots, lease)
+        released = False
+
+        def release(completed: bool = True) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                renewer.cancel()
+                slots.release(lease.lease_id)
+
+        ctx.release_slot = release
+        try:
+            response = await call_next(ctx)
+        except BaseException:
+            release()
+            raise
+        return on_response_end(response, release)
+
+    async def _acquire(self, slots: WarmSlots, ctx: RequestContext, tier: str) -> Lease | None:
+        tenant = ctx.tenant.name
         wait_limit = self.deadlines[ctx.parsed.model] + 5.0
-        releases = self._releases[ctx.parsed.model]
-        released = releases.take()
         try:
             # wait_for, not asyncio.timeout: around a handle's await the latter did not fire here.
-            lease = await asyncio.wait_for(
-                scheduler.acquire(tenant, self._tier(ctx), released), wait_limit
-            )
+            return await asyncio.wait_for(slots.acquire(tenant, tier), wait_limit)
         except Shed as shed:
             self.metrics.shed.inc(tags={"tenant": tenant, "reason": shed.reason})
             retry = max(1, math.ceil(shed.retry_after_s))
@@ -69,28 +90,13 @@ class AdmissionStage:
                 headers={"retry-after": str(retry)},
             ) from None
         except Exception as exc:  # scheduler unreachable or slow: admit, and say so
-            releases.restore(released)  # those slots are still to be given back
             self._fail_open(exc)
-            return await call_next(ctx)
+            return None
 
-        self.metrics.admitted.inc(tags={"tenant": tenant})
-        renewer = asyncio.create_task(_keep_alive(scheduler, lease))
-        released = False
-
-        def release(completed: bool = True) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                renewer.cancel()
-                releases.add(lease.lease_id)
-
-        ctx.release_slot = release
-        try:
-            response = await call_next(ctx)
-        except BaseException:
-            release()
-            raise
-        return on_response_end(response, release)
+    async def aclose(self) -> None:
+        """Give this replica's parked slots back (it is shutting down)."""
+        for slots in self.slots.values():
+            await slots.aclose()
 
     def _tier(self, ctx: RequestContext) -> str:
         tenant = ctx.tenant
@@ -107,37 +113,27 @@ class AdmissionStage:
             logger.warning("scheduler unavailable (%r); admitting without a slot", exc)
 
 
-async def _keep_alive(scheduler: SchedulerClient, lease: Lease) -> None:
-    """Renew a held lease at a third of its TTL for as long as the request runs."""
-    with contextlib.suppress(asyncio.CancelledError):
-        while True:
-            await asyncio.sleep(lease.ttl_s / 3)
-            with contextlib.suppress(Exception):
-                await scheduler.renew(lease.lease_id)
+class _KeepAlive:
+    """Renews a held lease every third of its TTL while the request runs: a timer rather than a
+    task per request, since nearly every request ends long before its first renewal."""
 
+    def __init__(self, slots: WarmSlots, lease: Lease) -> None:
+        self.slots = slots
+        self.lease = lease
+        self.period_s = max(0.1, lease.ttl_s / 3)
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(self.period_s, self._renew)
+        self._task: asyncio.Task | None = None
 
-class _ReleaseBatch:
-    """Freed leases waiting to ride on the next acquire, flushed alone if none comes soon."""
+    def _renew(self) -> None:
+        self._task = self._loop.create_task(self._send())
+        self._timer = self._loop.call_later(self.period_s, self._renew)
 
-    def __init__(self, scheduler: SchedulerClient) -> None:
-        self.scheduler = scheduler
-        self.pending: list[str] = []
-        self._flush: asyncio.TimerHandle | None = None
+    async def _send(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.slots.renew(self.lease.lease_id)
 
-    def add(self, lease_id: str) -> None:
-        self.pending.append(lease_id)
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self._send)
-
-    def take(self) -> list[str]:
-        taken, self.pending = self.pending, []
-        return taken
-
-    def restore(self, lease_ids: list[str]) -> None:
-        for lease_id in lease_ids:
-            self.add(lease_id)
-
-    def _send(self) -> None:
-        self._flush = None
-        if self.pending:
-            self.scheduler.release(self.take())
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()

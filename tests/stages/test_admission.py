@@ -6,14 +6,15 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from serve_app import warm_slots
 from serve_app.config import TenantConfig
 from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.scheduler import FairScheduler, Shed, TenantShare
 from serve_app.scheduler_client import Lease, LocalSchedulerClient
-from serve_app.stages import admission as stage_module
 from serve_app.stages.admission import AdmissionStage
+from serve_app.warm_slots import WarmSlots
 from tests.doubles import RecordingMetrics
 from tests.polling import eventually_async
 
@@ -28,23 +29,23 @@ class RecordingScheduler(LocalSchedulerClient):
         super().__init__(
             FairScheduler(max_inflight, default_tenant=TenantShare(queue_cap=4)), deadline_s=5
         )
-        self.acquired: list[tuple[str, str | None, list[str]]] = []
+        self.acquired: list[tuple[str, str | None, list]] = []
         self.granted: list[str] = []
-        self.released: list[list[str]] = []
+        self.synced: list[list] = []
         self.fail: BaseException | None = None
 
-    async def acquire(self, tenant, tier, released=()) -> Lease:
-        self.acquired.append((tenant, tier, list(released)))
+    async def acquire(self, tenant, tier, ops=()) -> Lease:
+        self.acquired.append((tenant, tier, list(ops)))
         if self.fail is not None:
             exc, self.fail = self.fail, None
             raise exc
-        lease = await super().acquire(tenant, tier, released)
+        lease = await super().acquire(tenant, tier, ops)
         self.granted.append(lease.lease_id)
         return lease
 
-    def release(self, lease_ids) -> int:
-        self.released.append(list(lease_ids))
-        return super().release(lease_ids)
+    async def sync(self, ops):
+        self.synced.append(list(ops))
+        return await super().sync(ops)
 
     @property
     def slots_used(self) -> int:
@@ -66,34 +67,58 @@ TENANTS = {
 }
 
 
-def stage(scheduler: RecordingScheduler, metrics: RecordingMetrics | None = None) -> AdmissionStage:
-    return AdmissionStage({MODEL: scheduler}, {MODEL: 5.0}, metrics or RecordingMetrics())
+def stage(
+    scheduler: RecordingScheduler,
+    metrics: RecordingMetrics | None = None,
+    keep_warm_s: float = 10.0,
+) -> AdmissionStage:
+    slots = WarmSlots(scheduler, tenant_cap=4, keep_warm_s=keep_warm_s)
+    return AdmissionStage({MODEL: slots}, {MODEL: 5.0}, metrics or RecordingMetrics())
 
 
 async def ok(ctx: RequestContext) -> Response:
     return Response(b"{}")
 
 
-async def test_granted_request_is_served_and_its_lease_released_on_the_next_acquire(monkeypatch):
-    monkeypatch.setattr(stage_module, "RELEASE_FLUSH_S", 60)  # only the piggyback path
+async def test_a_finished_slot_is_parked_and_the_next_request_takes_it_without_a_call():
     scheduler = RecordingScheduler()
     admission = stage(scheduler)
-    response = await admission(ctx_for("a"), ok)
-    assert response.status_code == 200
-    await admission(ctx_for("a"), ok)
+    assert (await admission(ctx_for("a"), ok)).status_code == 200
+    assert (await admission(ctx_for("b"), ok)).status_code == 200
+    assert len(scheduler.acquired) == 1, "the second request asked nobody"
     first = scheduler.granted[0]
-    assert scheduler.acquired[1][2] == [first], "the first lease rode on the second call"
-    assert scheduler.released == [], "no release call of its own"
-    assert scheduler.slots_used == 1  # only the second request's slot is still held
+    await eventually_async(
+        lambda: (
+            [op for ops in scheduler.synced for op in ops]
+            == [("park", first), ("claim", first, "b", "batch"), ("park", first)]
+        ),
+        timeout_s=2,
+        what="the scheduler told of the park, the claim and the park again",
+    )
+    assert scheduler.slots_used == 1  # parked on this replica, still in the budget
+    assert scheduler.scheduler.snapshot().granted == {"a": 1, "b": 1}
 
 
-async def test_a_quiet_gateway_releases_on_its_own(monkeypatch):
-    monkeypatch.setattr(stage_module, "RELEASE_FLUSH_S", 0.01)
+async def test_without_keep_warm_every_request_asks_and_a_quiet_gateway_releases_on_its_own():
     scheduler = RecordingScheduler()
-    await stage(scheduler)(ctx_for("a"), ok)
+    admission = stage(scheduler, keep_warm_s=0)
+    await admission(ctx_for("a"), ok)
     assert scheduler.slots_used == 1
     await eventually_async(lambda: scheduler.slots_used == 0, timeout_s=2, what="the slot freed")
-    assert scheduler.released == [scheduler.granted]
+    await admission(ctx_for("a"), ok)
+    assert len(scheduler.acquired) == 2
+
+
+async def test_a_release_rides_on_the_next_acquire(monkeypatch):
+    monkeypatch.setattr(warm_slots, "FLUSH_S", 60)  # only the piggyback path
+    scheduler = RecordingScheduler()
+    admission = stage(scheduler, keep_warm_s=0)
+    await admission(ctx_for("a"), ok)
+    await admission(ctx_for("a"), ok)
+    first = scheduler.granted[0]
+    assert scheduler.acquired[1][2] == [("release", first)], "the release rode on the call"
+    assert scheduler.synced == [], "no call of its own"
+    assert scheduler.slots_used == 1  # only the second request's slot is still held
 
 
 async def test_shed_is_a_429_with_retry_after_and_counted():
@@ -138,15 +163,15 @@ async def test_tier_comes_from_the_tenant_or_its_allowed_header(tenant, header, 
     assert scheduler.acquired[0][1] == tier
 
 
-async def test_releases_riding_on_a_failed_acquire_are_not_lost(monkeypatch):
-    monkeypatch.setattr(stage_module, "RELEASE_FLUSH_S", 60)
+async def test_ops_riding_on_a_failed_acquire_are_not_lost(monkeypatch):
+    monkeypatch.setattr(warm_slots, "FLUSH_S", 60)
     scheduler = RecordingScheduler()
-    admission = stage(scheduler)
+    admission = stage(scheduler, keep_warm_s=0)
     await admission(ctx_for("a"), ok)
     scheduler.fail = ConnectionError("blip")
     await admission(ctx_for("a"), ok)  # admitted without a slot (fail open)
     await admission(ctx_for("a"), ok)
     first = scheduler.granted[0]
-    released = [call[2] for call in scheduler.acquired]
-    assert released == [[], [first], [first]], "the blip's releases rode on the next call"
+    ops = [call[2] for call in scheduler.acquired]
+    assert ops == [[], [("release", first)], [("release", first)]], "sent again after the blip"
     assert scheduler.slots_used == 1
