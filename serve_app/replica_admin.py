@@ -17,6 +17,7 @@ import ray
 from ray.serve._private.common import RequestMetadata
 from ray.serve._private.constants import (
     RAY_SERVE_ENABLE_DIRECT_INGRESS,
+    RAY_SERVE_ENABLE_HA_PROXY,
     SERVE_CONTROLLER_NAME,
     SERVE_NAMESPACE,
 )
@@ -75,14 +76,21 @@ def direct_ingress_url(app: str) -> str | None:
 
 def direct_ingress_urls(app: str) -> list[str]:
     """The HTTP URL of each of the app's ingress replicas (none without direct ingress)."""
-    from ray.serve.context import _get_global_client
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    groups = ray.get(controller.get_target_groups.remote(app, RAY_SERVE_ENABLE_HA_PROXY))
+    return [f"http://{target.ip}:{target.port}" for target in _replica_targets(groups)]
 
-    details = _get_global_client().get_serve_details()
+
+def _replica_targets(groups) -> list:
+    """The ingress replicas among target groups. With HAProxy on, Serve lists HAProxy as the
+    app's target unless asked as HAProxy's manager, and then Serve's own proxy beside the
+    replicas (its backup): keep the replicas."""
     return [
-        f"http://{target['ip']}:{target['port']}"
-        for group in details.get("target_groups", [])
-        if group.get("app_name") == app and group.get("protocol", "HTTP") == "HTTP"
-        for target in group.get("targets", [])
+        target
+        for group in groups
+        if group.protocol == "HTTP"
+        for target in group.targets
+        if target.name.startswith(_PREFIX)
     ]
 
 
@@ -131,6 +139,8 @@ async def listening_addresses(context: ReplicaContext) -> str:
     location = await controller.get_proxy_location.remote()
     if location == ProxyLocation.Disabled:
         proxy = "no Serve proxy (proxy_location: Disabled)"
+    elif RAY_SERVE_ENABLE_HA_PROXY:
+        proxy = f"http://{http.host}:{http.port} via HAProxy ({location.value})"
     else:
         proxy = f"http://{http.host}:{http.port} via Serve's proxy ({location.value})"
     if not RAY_SERVE_ENABLE_DIRECT_INGRESS:
@@ -140,15 +150,15 @@ async def listening_addresses(context: ReplicaContext) -> str:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + DIRECT_PORT_WAIT_S
     while True:
-        for group in await controller.get_target_groups.remote(context.app_name):
-            if group.protocol != "HTTP":
-                continue
-            for target in group.targets:
-                if target.name == actor_name:
-                    return (
-                        f"{proxy}, and http://{target.ip}:{target.port} "
-                        "(this replica's own port: direct ingress)"
-                    )
+        groups = await controller.get_target_groups.remote(
+            context.app_name, RAY_SERVE_ENABLE_HA_PROXY
+        )
+        for target in _replica_targets(groups):
+            if target.name == actor_name:
+                return (
+                    f"{proxy}, and http://{target.ip}:{target.port} "
+                    "(this replica's own port: direct ingress)"
+                )
         if loop.time() >= deadline:
             return (
                 f"{proxy} (direct ingress is on, but Serve listed no port for this replica "
