@@ -11,6 +11,7 @@ and then runs the real binary with the same arguments.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -26,7 +27,7 @@ def on_loopback(config: str) -> str:
 
 
 def _config_path(argv: list[str]) -> str | None:
-    for flag, value in zip(argv, argv[1:], strict=False):
+    for flag, value in itertools.pairwise(argv):
         if flag == "-f":
             return value
     return None
