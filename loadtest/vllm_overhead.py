@@ -95,8 +95,9 @@ def _wait_healthy(url: str, timeout_s: float = 180) -> None:
     raise RuntimeError(f"{url} did not become healthy in {timeout_s} s")
 
 
-def one_request(client: httpx.Client, url: str, headers: dict) -> tuple[float, float]:
-    """(time to the first SSE event, time to the end of the stream), in seconds."""
+def one_request(client: httpx.Client, url: str, headers: dict) -> tuple[float, float, int]:
+    """(time to the first SSE event, time to the end of the stream in seconds, reads): reads
+    are the pieces the socket delivered, about one per write the server made."""
     body = {
         "model": "forge-sim",
         "messages": MESSAGES,
@@ -108,19 +109,22 @@ def one_request(client: httpx.Client, url: str, headers: dict) -> tuple[float, f
     }
     start = time.perf_counter()
     ttft = None
+    reads = 0
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if ttft is None and line.startswith("data: "):
+        for piece in r.iter_raw():
+            reads += 1
+            if ttft is None and b"data: " in piece:
                 ttft = time.perf_counter() - start
-    return ttft or float("nan"), time.perf_counter() - start
+    return ttft or float("nan"), time.perf_counter() - start, reads
 
 
-def summarise(samples: list[tuple[float, float]]) -> dict:
-    ttfts = [ttft * 1000 for ttft, _ in samples]
-    totals = [total * 1000 for _, total in samples]
+def summarise(samples: list[tuple[float, float, int]]) -> dict:
+    ttfts = [ttft * 1000 for ttft, _, _ in samples]
+    totals = [total * 1000 for _, total, _ in samples]
     return {
         "requests": len(samples),
+        "reads_mean": round(statistics.mean(reads for _, _, reads in samples), 1),
         "ttft_p50_ms": round(statistics.median(ttfts), 2),
         "ttft_p90_ms": round(statistics.quantiles(ttfts, n=10)[-1], 2),
         "total_p50_ms": round(statistics.median(totals), 2),
@@ -131,7 +135,7 @@ def summarise(samples: list[tuple[float, float]]) -> dict:
 def measure_interleaved(paths: dict[str, tuple[str, dict]], requests: int, warmup: int = 10):
     """One request per path in turn, ``requests`` rounds: whatever else the machine does at a
     moment, every path sees the same of it."""
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+    samples: dict[str, list[tuple[float, float, int]]] = {name: [] for name in paths}
     with httpx.Client(timeout=60) as client:
         for url, headers in paths.values():
             for _ in range(warmup):
@@ -166,7 +170,7 @@ class VLLMServer:
 class ForgeServer:
     """Forge (full pipeline, one vLLM replica of the same engine) in a subprocess."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, stream_coalesce_s: float = 0.0) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -178,6 +182,8 @@ class ForgeServer:
                 json.dumps(vllm_engine_config(model_path)),
                 "--pipeline",
                 "full",
+                "--stream-coalesce-s",
+                str(stream_coalesce_s),
             ],
             env=ENV,
             stdout=subprocess.PIPE,
@@ -204,6 +210,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--model", help="a tiny model directory (built if omitted)")
     parser.add_argument("--out", default="loadtest/results/vllm_overhead.json")
+    parser.add_argument(
+        "--stream-coalesce-s", type=float, default=0.0, help="the pool's coalescing window"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -212,7 +221,7 @@ def main() -> None:
             from serve_app.tools import tiny_model
 
             model_path = str(tiny_model.build(Path(scratch) / "tiny-model"))
-        vllm_server, forge = VLLMServer(model_path), ForgeServer(model_path)
+        vllm_server, forge = VLLMServer(model_path), ForgeServer(model_path, args.stream_coalesce_s)
         try:
             vllm_server.wait()
             proxy_url, direct_url = forge.wait()
@@ -232,6 +241,9 @@ def main() -> None:
     for result in results.values():
         result["ttft_overhead_p50_ms"] = round(result["ttft_p50_ms"] - base["ttft_p50_ms"], 2)
         result["total_overhead_p50_ms"] = round(result["total_p50_ms"] - base["total_p50_ms"], 2)
+        # What each streamed chunk after the first adds: the stream's overhead beyond TTFT's.
+        added_stream = result["total_overhead_p50_ms"] - result["ttft_overhead_p50_ms"]
+        result["added_per_chunk_ms"] = round(added_stream / MAX_TOKENS, 3)
     import vllm
 
     report = {
@@ -241,14 +253,19 @@ def main() -> None:
         "load_average_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
         "vllm": vllm.__version__,
         "max_tokens": MAX_TOKENS,
+        "stream_coalesce_s": args.stream_coalesce_s,
         "results": results,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'path':<22} {'TTFT p50':>9} {'total p50':>10} {'+TTFT':>7} {'+total':>7}  (ms)")
+    print(
+        f"{'path':<22} {'TTFT p50':>9} {'total p50':>10} {'+TTFT':>7} {'+total':>7} "
+        f"{'+/chunk':>8} {'reads':>6}  (ms)"
+    )
     for name, r in results.items():
         print(
             f"{name:<22} {r['ttft_p50_ms']:>9.1f} {r['total_p50_ms']:>10.1f} "
-            f"{r['ttft_overhead_p50_ms']:>7.1f} {r['total_overhead_p50_ms']:>7.1f}"
+            f"{r['ttft_overhead_p50_ms']:>7.1f} {r['total_overhead_p50_ms']:>7.1f} "
+            f"{r['added_per_chunk_ms']:>8.3f} {r['reads_mean']:>6.1f}"
         )
 
 
