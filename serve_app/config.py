@@ -8,6 +8,7 @@ endpoints come from the environment, and only by the variable names written here
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -358,7 +359,7 @@ class ForgeConfig(_Strict):
             ("pools", [p.name for p in self.pools]),
             ("pools.model", [p.model for p in self.pools]),
         ):
-            dupes = sorted({n for n in names if names.count(n) > 1})
+            dupes = sorted(n for n, count in Counter(names).items() if count > 1)
             if dupes:
                 raise ValueError(f"{what}: duplicate names {dupes}")
         if "fallback" in {p.name for p in self.pools}:

@@ -346,6 +346,14 @@ class FairScheduler:
     def queued_total(self) -> int:
         return sum(self._queued_tier.values())
 
+    @property
+    def parked(self) -> int:
+        return self._parked
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Waiting requests of the tenants that have any (cheap at any number of tenants)."""
+        return dict(self._queued_tenant)
+
     def retry_after_s(self) -> float:
         """Seconds until the pool could serve one more request; see the module docstring."""
         mean_hold = UNKNOWN_HOLD_S if self._mean_hold_s is None else self._mean_hold_s
@@ -440,9 +448,13 @@ class FairScheduler:
         cap = self.tenant_cap
         return [t for t in self._queues[tier] if self._inflight[t] < cap]
 
+    def _any_eligible(self, tier: Tier) -> bool:
+        cap = self.tenant_cap
+        return any(self._inflight[t] < cap for t in self._queues[tier])
+
     def _pick_tier(self) -> Tier | None:
-        interactive = bool(self._eligible("interactive"))
-        batch = bool(self._eligible("batch"))
+        interactive = self._any_eligible("interactive")
+        batch = self._any_eligible("batch")
         if not interactive and not batch:
             return None
         if not batch:

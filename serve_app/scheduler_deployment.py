@@ -57,18 +57,22 @@ class SchedulerDeployment:
             self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
 
     async def _housekeep(self) -> None:
-        """Reclaim dead holders' slots and export gauges; the only periodic work."""
-        seen: set[str] = set()
+        """Reclaim dead holders' slots and export gauges; the only periodic work. Its cost
+        follows the tenants waiting, not the tenants configured (10,000 of them took 24 ms a
+        pass on this loop when every tenant's gauge was set each second)."""
+        shown: set[str] = set()  # tenants whose queue gauge was last set above zero
+        scheduler, pool = self.scheduler, {"pool": self.pool}
         while True:
-            self.scheduler.expire_leases()
-            snap = self.scheduler.snapshot()
-            seen |= set(snap.queued)
-            for tenant in seen:
-                depth = snap.queued.get(tenant, 0)
-                self._queue_depth.set(depth, tags={"pool": self.pool, "tenant": tenant})
-            self._slots.set(snap.slots_used, tags={"pool": self.pool})
-            self._parked.set(snap.parked, tags={"pool": self.pool})
-            self._slots_total.set(snap.slots_total, tags={"pool": self.pool})
+            scheduler.expire_leases()
+            queued = scheduler.queued_by_tenant()
+            for tenant in shown - queued.keys():
+                self._queue_depth.set(0, tags={**pool, "tenant": tenant})
+            for tenant, depth in queued.items():
+                self._queue_depth.set(depth, tags={**pool, "tenant": tenant})
+            shown = set(queued)
+            self._slots.set(scheduler.slots_used, tags=pool)
+            self._parked.set(scheduler.parked, tags=pool)
+            self._slots_total.set(scheduler.max_inflight, tags=pool)
             await asyncio.sleep(_EXPORT_EVERY_S)
 
     async def acquire(

@@ -8,9 +8,10 @@ per-process by design: two gateway replicas on ``MemoryStore`` have two budgets.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,9 +28,14 @@ from serve_app.store.base import (
 
 Kind = Literal["bucket", "lease"]
 
-# Expired keys are dropped when read, and in one sweep of the whole keyspace at most this often,
-# so keys nobody reads again (a departed tenant, a cold cache entry) do not accumulate.
+# Expired keys are dropped when read; keys nobody reads again (a departed tenant, a cold cache
+# entry) are dropped by the first writes at most this long after they expired, so they do not
+# accumulate. Keys are filed by expiry in slots of half that; each write drops (or, for a key
+# whose expiry moved on, files again) at most SWEEP_BATCH keys of slots that have passed. No write
+# scans the keyspace: a sweep of every key was a pause of milliseconds per 10,000 tenants.
 SWEEP_INTERVAL_S = 10.0
+SWEEP_BATCH = 256
+_SLOT_S = SWEEP_INTERVAL_S / 2
 
 
 @dataclass(slots=True)
@@ -37,13 +43,18 @@ class _Entry:
     kind: Kind
     value: Any  # bucket: (level, last_refill); lease: {lease_id: expires_at}
     expires_at: float
+    slot: int = 0  # the expiry slot the key is filed in: never after its expiry's own
 
 
 class MemoryStore(Store):
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._data: dict[str, _Entry] = {}
-        self._last_sweep = clock()
+        # Expiry slot → keys filed in it (a key deleted or filed again since may linger in an
+        # old slot; the sweep skips it), and a heap of those slots, earliest first.
+        self._slots: dict[int, set[str]] = {}
+        self._due: list[int] = []
+        self._sweeping: tuple[int, Iterator[str]] | None = None  # a passed slot, part swept
 
     def __len__(self) -> int:
         """Live and not-yet-swept keys (for tests of the expiry bound)."""
@@ -64,12 +75,49 @@ class MemoryStore(Store):
         return entry
 
     def _put(self, key: str, kind: Kind, value: Any, expires_at: float, now: float) -> None:
-        self._data[key] = _Entry(kind, value, expires_at)
-        if now - self._last_sweep >= SWEEP_INTERVAL_S:
-            self._last_sweep = now
-            expired = [k for k, e in self._data.items() if e.expires_at <= now]
-            for k in expired:
-                del self._data[k]
+        entry = self._data.get(key)
+        if entry is None:
+            entry = self._data[key] = _Entry(kind, value, expires_at)
+            self._file(key, entry)
+        else:
+            # Updated in place: a new entry per write would outlive the request whenever the
+            # key is not written again soon (many tenants), and every such survivor is one more
+            # object for the garbage collector's older generations to track and scan.
+            entry.kind, entry.value, entry.expires_at = kind, value, expires_at
+            if expires_at < entry.slot * _SLOT_S:  # it now expires before its slot: file earlier
+                self._file(key, entry)
+        self._sweep(now)
+
+    def _file(self, key: str, entry: _Entry) -> None:
+        entry.slot = int(entry.expires_at // _SLOT_S)
+        keys = self._slots.get(entry.slot)
+        if keys is None:
+            keys = self._slots[entry.slot] = set()
+            heapq.heappush(self._due, entry.slot)
+        keys.add(key)
+
+    def _sweep(self, now: float) -> None:
+        """Drop the expired keys of slots that have passed, at most ``SWEEP_BATCH`` of them;
+        a key of such a slot that expires later (its expiry moved on) is filed again."""
+        budget = SWEEP_BATCH
+        while True:
+            if self._sweeping is None:
+                if not self._due or (self._due[0] + 1) * _SLOT_S > now:
+                    return
+                slot = heapq.heappop(self._due)
+                self._sweeping = (slot, iter(self._slots.pop(slot)))
+            slot, keys = self._sweeping
+            for key in keys:
+                entry = self._data.get(key)
+                if entry is not None and entry.slot == slot:
+                    if entry.expires_at <= now:
+                        del self._data[key]
+                    else:
+                        self._file(key, entry)
+                budget -= 1
+                if budget == 0:
+                    return  # the rest of this slot waits for the next write
+            self._sweeping = None
 
     # -- buckets ----------------------------------------------------------------------------
 

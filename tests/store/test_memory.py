@@ -9,7 +9,7 @@ import pytest
 from serve_app.config import StoreConfig
 from serve_app.store import Bucket, MemoryStore, build_store
 from serve_app.store.base import MIN_BUCKET_TTL_S
-from serve_app.store.memory import SWEEP_INTERVAL_S
+from serve_app.store.memory import SWEEP_BATCH, SWEEP_INTERVAL_S
 from tests.doubles import Clock
 
 
@@ -72,6 +72,43 @@ async def test_expired_keys_are_swept_without_being_read(store: MemoryStore, clo
     assert len(store) == 101
     clock.advance(max(SWEEP_INTERVAL_S, MIN_BUCKET_TTL_S))
     await store.acquire_lease("streams:fresh", "a", 1, 60)
+    assert len(store) == 1
+
+
+async def test_a_write_sweeps_a_bounded_batch_of_expired_keys(
+    store: MemoryStore, clock: Clock
+) -> None:
+    for i in range(3 * SWEEP_BATCH + 10):
+        await store.acquire_lease(f"streams:{i}", "a", 1, 1)
+    clock.advance(SWEEP_INTERVAL_S)
+    probe = Bucket("quota:probe", 10, 1)
+    await store.take([probe], [1])  # no write scans the keyspace: one batch per write
+    assert len(store) == 1 + 2 * SWEEP_BATCH + 10
+    for _ in range(3):
+        await store.take([probe], [1])
+    assert len(store) == 1
+
+
+async def test_a_key_written_again_outlives_its_first_expiry(
+    store: MemoryStore, clock: Clock
+) -> None:
+    b = Bucket("quota:b", capacity=100, refill_per_s=1)
+    await store.take([b], [1])  # 99 left: the key would expire in MIN_BUCKET_TTL_S
+    clock.advance(4)
+    await store.take([b], [50])  # 50 left: it now lives 100 s
+    clock.advance(SWEEP_INTERVAL_S)
+    await store.acquire_lease("streams:other", "a", 1, 60)  # a write, due to sweep
+    assert await store.peek([b]) == (60.0,)
+
+
+async def test_a_key_whose_expiry_moves_earlier_is_swept_by_then(
+    store: MemoryStore, clock: Clock
+) -> None:
+    await store.acquire_lease("streams:s", "long", 2, 60)
+    await store.acquire_lease("streams:s", "short", 2, 1)
+    await store.release_lease("streams:s", "long")  # the key now expires in 1 s, not 60 s
+    clock.advance(SWEEP_INTERVAL_S)
+    await store.take([Bucket("quota:probe", 10, 1)], [1])
     assert len(store) == 1
 
 
