@@ -13,12 +13,15 @@ thus admits in microseconds, and the scheduler's fair queues take over as soon a
   parked plus in use across every gateway replica, and a dead replica's leases expire as before;
 - a tenant takes a parked slot only while it holds fewer than its cap on this replica.
 
-The price: for one message's delay (``FLUSH_S`` plus a round trip) after a queue forms, this
-replica may still admit from its parked slots, and on the fast path a tenant's cap is enforced
-per replica (the scheduler counts the claim when it arrives).
+The price: for one round trip after a queue forms (the watch's news), this replica may still
+admit from its parked slots, and on the fast path a tenant's cap is enforced per replica (the
+scheduler counts claims when they arrive).
 
-Ops on held slots are batched: they ride on this replica's next acquire, or go alone after at
-most ``FLUSH_S`` (a quiet replica), so a busy gateway pays at most one round trip per request.
+What the scheduler must hear is batched, latest op per slot: a release rides on this replica's
+next acquire or goes alone after at most ``FLUSH_S`` (someone may be waiting for that slot);
+claims and parks change only the scheduler's per-tenant books, not the budget, so they wait up to
+``BOOKS_FLUSH_S`` (and go at once when a queue forms). A replica busy on parked slots thus makes
+about one scheduler call a second, not one per request.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from collections.abc import Callable
 from serve_app.scheduler import Shed
 from serve_app.scheduler_client import Lease, SchedulerClient, SlotOp
 
-FLUSH_S = 0.005  # longest a slot op waits for a ride on an acquire before it is sent alone
+FLUSH_S = 0.005  # longest a release waits for a ride on an acquire before it is sent alone
+BOOKS_FLUSH_S = 1.0  # the same for claims and parks: the scheduler's per-tenant books
 CONTENDED_HOLD_S = 1.0  # after news of a queue, this long through the scheduler only
-MAX_PENDING_OPS = 4096  # ops kept while the scheduler is unreachable (its leases expire anyway)
 
 
 class WarmSlots:
@@ -56,7 +59,7 @@ class WarmSlots:
         self._lent: dict[str, str] = {}  # lease id → tenant, for slots taken from the park
         self._lent_to: Counter[str] = Counter()
         self._ttl_s = 0.0
-        self._ops: list[SlotOp] = []
+        self._ops: dict[str, SlotOp] = {}  # lease id → its latest op not yet sent
         self._contended_until = 0.0
         self._flush: asyncio.TimerHandle | None = None
         self._sweep: asyncio.TimerHandle | None = None
@@ -135,20 +138,26 @@ class WarmSlots:
         self._lent_to[tenant] += 1
 
     def _send_soon(self, op: SlotOp) -> None:
-        self._ops.append(op)
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(FLUSH_S, self._send_now)
+        self._ops[op[1]] = op  # only the latest op on a slot matters: it says where it is now
+        delay = FLUSH_S if op[0] == "release" else BOOKS_FLUSH_S
+        loop = asyncio.get_running_loop()
+        if self._flush is None or self._flush.when() > loop.time() + delay:
+            if self._flush is not None:
+                self._flush.cancel()
+            self._flush = loop.call_later(delay, self._send_now)
 
     def _take_ops(self) -> list[SlotOp]:
-        ops, self._ops = self._ops, []
+        ops = list(self._ops.values())
+        self._ops.clear()
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
         return ops
 
     def _requeue(self, ops: list[SlotOp]) -> None:
-        self._ops[:0] = ops
-        del self._ops[: max(0, len(self._ops) - MAX_PENDING_OPS)]
+        """Ops that may not have arrived, behind any made since (those are newer)."""
+        older = {op[1]: op for op in ops if op[1] not in self._ops}
+        self._ops = {**older, **self._ops}
 
     def _send_now(self) -> None:
         self._flush = None
@@ -172,13 +181,12 @@ class WarmSlots:
 
     def _on_contended(self) -> None:
         self._contended_until = self._clock() + CONTENDED_HOLD_S
-        if self._parked:
-            self._give_back_parked()
-            self._send_now()
+        self._give_back_parked()
+        self._send_now()  # the books too: the scheduler now picks by them
 
     def _give_back_parked(self) -> None:
         for lease_id in self._parked:
-            self._ops.append(("release", lease_id))
+            self._ops[lease_id] = ("release", lease_id)
         self._parked.clear()
 
     def _watch_for_queues(self) -> None:
@@ -203,7 +211,7 @@ class WarmSlots:
         stale = [lease_id for lease_id, since in self._parked.items() if since <= cutoff]
         for lease_id in stale:
             del self._parked[lease_id]
-            self._ops.append(("release", lease_id))
+            self._ops[lease_id] = ("release", lease_id)
         if stale:
             self._send_now()
         if self._parked:

@@ -14,6 +14,12 @@ from serve_app.warm_slots import WarmSlots
 from tests.polling import eventually_async
 
 
+@pytest.fixture(autouse=True)
+def prompt_books(monkeypatch):
+    """Claims and parks reach the scheduler within 10 ms here, not a second."""
+    monkeypatch.setattr(warm_slots, "BOOKS_FLUSH_S", 0.01)
+
+
 def pool(max_inflight: int = 4, **kwargs) -> LocalSchedulerClient:
     scheduler = FairScheduler(max_inflight, default_tenant=TenantShare(queue_cap=64), **kwargs)
     return LocalSchedulerClient(scheduler, deadline_s=5)
