@@ -238,10 +238,6 @@ class PoolConfig(_Strict):
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     # Whether requests for this pool's model may be served by the fallback backend.
     fallback: bool = True
-    # After the first token, a replica gathers the frames its engine makes for up to this long
-    # into one handle item (the stream's cost is per item, not per byte). 0: one item per
-    # engine step the gateway keeps up with. The first token and the end are never held back.
-    stream_coalesce_s: Annotated[float, Field(ge=0, le=0.1)] = 0.0
     admission: AdmissionConfig | None = None
     routing: RoutingConfig = RoutingConfig()
     # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,

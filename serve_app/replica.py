@@ -68,19 +68,12 @@ class Replica:
             await self._ensure_started()
             await self.faults.before_first_frame()
             queue: asyncio.Queue = asyncio.Queue()
-            ended = asyncio.Event()  # the engine is done (or failed): flush without waiting
-            producer = asyncio.create_task(self._produce(body, kind, request_id, queue, ended))
-            linger_s = self.pool.stream_coalesce_s
+            producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
             sent = 0
             try:
                 batch: list = [{"replica": self.replica_id}]
                 while True:
                     item = await queue.get()
-                    if linger_s and sent and not ended.is_set():
-                        # Past the first token: let this step's neighbours join the item.
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(linger_s):
-                                await ended.wait()
                     while True:
                         if item is _END:
                             if batch:
@@ -105,9 +98,7 @@ class Replica:
                 # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
                 producer.cancel()
 
-    async def _produce(
-        self, body: dict, kind: Kind, request_id: str, queue: asyncio.Queue, ended: asyncio.Event
-    ):
+    async def _produce(self, body: dict, kind: Kind, request_id: str, queue: asyncio.Queue):
         try:
             async for item in self.engine.stream(body, kind, request_id):
                 queue.put_nowait(item)
@@ -116,7 +107,6 @@ class Replica:
         except BaseException as exc:  # surfaced to the consumer, which re-raises it
             queue.put_nowait(exc)
         queue.put_nowait(_END)
-        ended.set()
 
     async def complete(
         self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None

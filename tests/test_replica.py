@@ -19,9 +19,8 @@ BODY = {
 }
 
 
-def replica(stream_coalesce_s: float = 0.0, **engine) -> Replica:
-    pool = {"name": "p", "model": "m", "engine": engine, "stream_coalesce_s": stream_coalesce_s}
-    return Replica(pool)
+def replica(**engine) -> Replica:
+    return Replica({"name": "p", "model": "m", "engine": engine})
 
 
 async def collect(r: Replica, body: dict = BODY) -> list[list]:
@@ -47,23 +46,6 @@ async def test_frames_ready_together_travel_as_one_item():
     frames = sum(1 for b in items for x in b if type(x) is bytes)
     assert frames == 1 + 12 + 1 + 1  # role, tokens, finish, usage
     assert len(items) < frames / 2
-
-
-async def test_a_coalescing_window_joins_steps_after_the_first_token_but_not_the_first():
-    """A consumer as fast as the engine: without the window, about one item per engine step;
-    with it, the first token still travels alone and later steps share items."""
-    engine = {"decode_base_s": 0.004, "prefill_base_s": 0.0}
-
-    async def items(window_s: float) -> list[list]:
-        return [b async for b in replica(window_s, **engine).stream(BODY, "chat", "req-1")]
-
-    plain, joined = await items(0.0), await items(0.03)
-    frames = [[x for x in b if type(x) is bytes] for b in joined]
-    assert sum(map(len, frames)) == sum(1 for b in plain for x in b if type(x) is bytes)
-    first_plain = [x for x in plain[0] if type(x) is bytes]
-    assert len(frames[0]) == len(first_plain), "the first token is never held back"
-    assert len(joined) <= len(plain) / 2, (len(joined), len(plain))
-    assert joined[-1][-1]["usage"]["completion_tokens"] == 12
 
 
 async def test_closing_the_stream_aborts_the_generation():
