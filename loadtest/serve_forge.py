@@ -22,13 +22,7 @@ BENCH_KEY = "sk-bench-local-only"
 PIPELINES = ("full", "quota", "bare")
 
 
-def forge_args(
-    engine: dict,
-    replicas: int,
-    redis_url: str | None,
-    pipeline: str = "full",
-    stream_coalesce_s: float = 0.0,
-) -> dict:
+def forge_args(engine: dict, replicas: int, redis_url: str | None, pipeline: str = "full") -> dict:
     """``full``: every stage on, with a metered tenant (budgets too large to bite) and fair
     admission; ``quota``: no admission; ``bare``: no budgets and no admission either."""
     limits = {"rpm": 10**7, "tpm": 10**9, "max_concurrent_streams": 10**4}
@@ -48,7 +42,6 @@ def forge_args(
                 "name": "primary",
                 "model": "forge-sim",
                 "engine": engine,
-                "stream_coalesce_s": stream_coalesce_s,
                 "admission": admission if pipeline == "full" else None,
                 "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
             }
@@ -65,7 +58,6 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--redis-url", default=None, help="the store; embedded without one")
     parser.add_argument("--pipeline", choices=PIPELINES, default="full")
-    parser.add_argument("--stream-coalesce-s", type=float, default=0.0)
     args = parser.parse_args()
 
     import ray
@@ -77,9 +69,7 @@ def main() -> None:
     ray.init(num_cpus=1, object_store_memory=100 * 1024 * 1024, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     engine = orjson.loads(args.engine)
-    app = build_app(
-        forge_args(engine, args.replicas, args.redis_url, args.pipeline, args.stream_coalesce_s)
-    )
+    app = build_app(forge_args(engine, args.replicas, args.redis_url, args.pipeline))
     serve.run(app, name="forge", route_prefix="/")
     time.sleep(2)  # let the proxy learn the routes
     direct = replica_admin.direct_ingress_url("forge") or "-"

@@ -170,7 +170,7 @@ class VLLMServer:
 class ForgeServer:
     """Forge (full pipeline, one vLLM replica of the same engine) in a subprocess."""
 
-    def __init__(self, model_path: str, stream_coalesce_s: float = 0.0) -> None:
+    def __init__(self, model_path: str) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -182,8 +182,6 @@ class ForgeServer:
                 json.dumps(vllm_engine_config(model_path)),
                 "--pipeline",
                 "full",
-                "--stream-coalesce-s",
-                str(stream_coalesce_s),
             ],
             env=ENV,
             stdout=subprocess.PIPE,
@@ -210,9 +208,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--model", help="a tiny model directory (built if omitted)")
     parser.add_argument("--out", default="loadtest/results/vllm_overhead.json")
-    parser.add_argument(
-        "--stream-coalesce-s", type=float, default=0.0, help="the pool's coalescing window"
-    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -221,7 +216,7 @@ def main() -> None:
             from serve_app.tools import tiny_model
 
             model_path = str(tiny_model.build(Path(scratch) / "tiny-model"))
-        vllm_server, forge = VLLMServer(model_path), ForgeServer(model_path, args.stream_coalesce_s)
+        vllm_server, forge = VLLMServer(model_path), ForgeServer(model_path)
         try:
             vllm_server.wait()
             proxy_url, direct_url = forge.wait()
@@ -253,7 +248,6 @@ def main() -> None:
         "load_average_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
         "vllm": vllm.__version__,
         "max_tokens": MAX_TOKENS,
-        "stream_coalesce_s": args.stream_coalesce_s,
         "results": results,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
