@@ -65,7 +65,6 @@ class WarmSlots:
         self._sweep: asyncio.TimerHandle | None = None
         self._watch: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
-        self.fast_admissions = 0
 
     # -- the admission stage's calls -------------------------------------------------------------
 
@@ -78,7 +77,6 @@ class WarmSlots:
         lease_id, _ = self._parked.popitem()  # the newest: its lease was renewed last
         self._lend(lease_id, tenant)
         self._send_soon(("claim", lease_id, tenant, tier))
-        self.fast_admissions += 1
         return Lease(lease_id, self._ttl_s)
 
     async def acquire(self, tenant: str, tier: str) -> Lease:
