@@ -4,9 +4,8 @@ A slot parked on this gateway replica is taken at once when nobody is queued (no
 otherwise one scheduler call acquires one (it may wait in the tenant's queue up to the deadline).
 ``serve_app/warm_slots.py`` keeps the parked slots and batches what the scheduler must hear. The
 slot is released on every exit path. A long generation renews its lease so the scheduler does not
-reclaim a live slot. If the scheduler cannot be
-reached the request is admitted (fail open) and counted: admission protects latency, it must
-never become the outage.
+reclaim a live slot. If the scheduler cannot be reached the request is admitted (fail open) and
+counted: admission protects latency, it must never become the outage.
 """
 
 from __future__ import annotations
