@@ -79,9 +79,7 @@ def main() -> int:
         for port, what in PORTS.items():
             hosts = listeners(port)
             assert hosts, f"nothing listens on {port} ({what})"
-            outside = [
-                h for h in hosts if h not in ("127.0.0.1", "0000:0000:0000:0000:ffff:7f00:0001")
-            ]
+            outside = [str(h) for h in hosts if not _loopback(h)]
             assert not outside, f"{port} ({what}) listens beyond loopback: {hosts}"
             print(f"smoke: {port} ({what}) listens on {', '.join(map(str, hosts))}")
         return 0
