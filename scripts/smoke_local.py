@@ -84,7 +84,9 @@ def main() -> int:
             print(f"smoke: {port} ({what}) listens on {', '.join(map(str, hosts))}")
         return 0
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        # SIGTERM to `serve run` alone, as Ctrl-C would: it shuts Serve down (HAProxy included)
+        # before Ray; a signal to the whole group would kill Ray first and orphan HAProxy.
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
