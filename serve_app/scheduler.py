@@ -84,6 +84,11 @@ UNKNOWN_HOLD_S = 1.0
 MIN_RETRY_AFTER_S = 1.0
 
 
+def tenant_cap(max_inflight: int, max_tenant_share: float) -> int:
+    """Slots one tenant may hold at once: the rest is headroom for another tenant to start."""
+    return max(1, math.floor(max_inflight * max_tenant_share))
+
+
 @dataclass(frozen=True)
 class TenantShare:
     """How a tenant shares the pool: its weight, how many of its requests may wait, its tier."""
@@ -182,8 +187,7 @@ class FairScheduler:
             raise ValueError(f"batch_every must be >= 1, got {batch_every!r}")
         if not 0 < max_tenant_share <= 1:
             raise ValueError(f"max_tenant_share must be in (0, 1], got {max_tenant_share!r}")
-        # Slots one tenant may hold at once: the headroom that lets another tenant start at once.
-        self.tenant_cap = max(1, math.floor(max_inflight * max_tenant_share))
+        self.tenant_cap = tenant_cap(max_inflight, max_tenant_share)
         self.max_inflight = max_inflight
         self.lease_ttl_s = lease_ttl_s
         self.max_queued_total = max_queued_total

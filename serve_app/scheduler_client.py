@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from serve_app.config import AdmissionConfig, TenantConfig
 from serve_app.scheduler import FairScheduler, TenantShare
@@ -24,7 +24,6 @@ from serve_app.scheduler import FairScheduler, TenantShare
 # ("claim", lease_id, tenant, tier) | ("park", lease_id) | ("release", lease_id): plain tuples,
 # because they cross a Serve handle on the request path and pickle small.
 SlotOp = tuple[str, ...]
-OpKind = Literal["claim", "park", "release"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ tracing on, a root span opens before all of them, ``stages/trace.py``):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.retry_budget import RetryBudget
 from serve_app.resilience.settings import retry_budget_settings
+from serve_app.scheduler import tenant_cap
 from serve_app.scheduler_client import SchedulerClient
 from serve_app.stages.admission import AdmissionStage
 from serve_app.stages.authenticate import AuthStage
@@ -111,8 +111,8 @@ def build_pipeline(
 
 def warm_slots(client: SchedulerClient, admission: AdmissionConfig) -> WarmSlots:
     """This replica's view of a pool's slots, with the scheduler's own per-tenant cap."""
-    tenant_cap = max(1, math.floor(admission.max_inflight * admission.max_tenant_share))
-    return WarmSlots(client, tenant_cap=tenant_cap, keep_warm_s=admission.keep_warm_s)
+    cap = tenant_cap(admission.max_inflight, admission.max_tenant_share)
+    return WarmSlots(client, tenant_cap=cap, keep_warm_s=admission.keep_warm_s)
 
 
 def model_routes(config: ForgeConfig, backends: Mapping[str, Backend]) -> dict[str, list[Backend]]:
