@@ -105,7 +105,8 @@ class Dispatch:
             self.budget.on_request(time.monotonic())
         plan = _Plan(self, ctx, candidates)
         failure: errors.ForgeError | None = None
-        while (attempt := await plan.next(failure)) is not None:
+        probed = False  # the failed attempt was a half-open probe
+        while (attempt := await plan.next(failure, probed)) is not None:
             try:
                 return await self._serve(ctx, attempt, candidates)
             except errors.ForgeError as err:
@@ -113,7 +114,7 @@ class Dispatch:
                 _event("forge.attempt_failed", backend=attempt.backend.name, status=err.status)
                 if not retryable(err):
                     raise
-                failure = err
+                failure, probed = err, attempt.probe or attempt.replica_probe
             except asyncio.CancelledError:  # the client left before the first byte
                 attempt.settle(ctx, Outcome.NEUTRAL)
                 raise
@@ -224,7 +225,10 @@ class _Plan:
     (with one retry slot), and granted one at a time as the earlier ones fail.
 
     A backend whose breaker is open, or a pool at zero replicas, is skipped for free; a retry
-    needs somewhere new to go and the retry budget's consent.
+    needs somewhere new to go and the retry budget's consent, except the retry of a failed
+    half-open probe: there is one probe per cool-down, so its retries cannot become a storm, and
+    a budget spent at the start of an outage would otherwise turn each probe into a client
+    error (the failover drill saw a 502 at the first probe, 5 s into the outage).
     """
 
     def __init__(self, dispatch: Dispatch, ctx: RequestContext, candidates: Sequence[Backend]):
@@ -233,7 +237,7 @@ class _Plan:
         self.backends = iter(_with_retry(candidates))
         self.made = 0
 
-    async def next(self, failure: errors.ForgeError | None) -> Attempt | None:
+    async def next(self, failure: errors.ForgeError | None, probed: bool = False) -> Attempt | None:
         dispatch, ctx = self.dispatch, self.ctx
         for backend in self.backends:
             if self.made == _MAX_ATTEMPTS:
@@ -244,7 +248,7 @@ class _Plan:
             if admit is Admit.DENY:
                 _event("forge.skipped", backend=backend.name)
                 continue
-            if failure is not None and not dispatch.spend_retry(backend):
+            if failure is not None and not probed and not dispatch.spend_retry(backend):
                 if admit is Admit.PROBE and dispatch.breakers is not None:
                     # Granted but never sent: free the probe slot for the next request.
                     dispatch.breakers.record(backend.name, Outcome.NEUTRAL, probe=True)

@@ -76,6 +76,21 @@ async def test_a_probe_that_fails_is_retried_on_the_fallback_and_reopens_the_bre
     assert client.state("primary") is State.OPEN and len(primary.calls) == 4
 
 
+async def test_a_failed_probe_is_retried_on_the_fallback_even_with_the_budget_spent():
+    """The budget went on the outage's first failures; the probe 5 s later still fails over:
+    one probe per cool-down cannot make a retry storm, and its client should not see a 502."""
+    primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
+    dispatch, client, clock = rig(primary, fallback, min_retries=3)
+    for _ in range(3):  # the three failures that open the breaker spend the whole budget
+        await body_of(await dispatch(make_ctx()))
+    await client.flush()
+    assert dispatch.budget.allowed(clock.now) - dispatch.budget.used(clock.now) <= 0
+    clock.now = 6  # half-open: this request is the probe
+    response = await dispatch(make_ctx())
+    assert response.headers["x-forge-backend"] == "fallback"
+    assert len(primary.calls) == 4, "the probe went to the primary first"
+
+
 async def test_the_retry_budget_caps_retries_and_the_client_sees_the_first_failure():
     primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
     dispatch, _, _ = rig(primary, fallback, min_retries=1)
