@@ -54,6 +54,10 @@ class Replica:
             self.replica_id = "local"
         self._started = False
         self._gauges: dict | None = None
+        # Streams this replica is serving, from their first item until their generator closes:
+        # the caller sees a stream end only after that, so this never counts one the gateway
+        # has finished with (an engine counts a finished sequence until its next step).
+        self.open_streams = 0
 
     async def _ensure_started(self) -> None:
         if not self._started:
@@ -64,39 +68,43 @@ class Replica:
         self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
     ) -> AsyncIterator[list]:
         """Stream one request as lists of ready items; the first list starts with metadata."""
-        with self._span(trace_context, request_id) as span:
-            await self._ensure_started()
-            await self.faults.before_first_frame()
-            queue: asyncio.Queue = asyncio.Queue()
-            producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
-            sent = 0
-            try:
-                batch: list = [{"replica": self.replica_id}]
-                while True:
-                    item = await queue.get()
+        self.open_streams += 1
+        try:
+            with self._span(trace_context, request_id) as span:
+                await self._ensure_started()
+                await self.faults.before_first_frame()
+                queue: asyncio.Queue = asyncio.Queue()
+                producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
+                sent = 0
+                try:
+                    batch: list = [{"replica": self.replica_id}]
                     while True:
-                        if item is _END:
-                            if batch:
-                                yield batch
-                            return
-                        if isinstance(item, BaseException):
-                            raise item
-                        if isinstance(item, Usage):
-                            usage = item.to_openai()
-                            batch.append({"usage": usage})
-                            describe_usage(span, usage)
-                        else:
-                            batch.append(item)
-                            sent += 1
-                            self.faults.after_frame(sent)
-                        if queue.empty():
-                            break
-                        item = queue.get_nowait()
-                    yield batch
-                    batch = []
-            finally:
-                # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
-                producer.cancel()
+                        item = await queue.get()
+                        while True:
+                            if item is _END:
+                                if batch:
+                                    yield batch
+                                return
+                            if isinstance(item, BaseException):
+                                raise item
+                            if isinstance(item, Usage):
+                                usage = item.to_openai()
+                                batch.append({"usage": usage})
+                                describe_usage(span, usage)
+                            else:
+                                batch.append(item)
+                                sent += 1
+                                self.faults.after_frame(sent)
+                            if queue.empty():
+                                break
+                            item = queue.get_nowait()
+                        yield batch
+                        batch = []
+                finally:
+                    # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
+                    producer.cancel()
+        finally:
+            self.open_streams -= 1
 
     async def _produce(self, body: dict, kind: Kind, request_id: str, queue: asyncio.Queue):
         try:
@@ -167,7 +175,11 @@ class Replica:
         return self.replica_id
 
     def stats(self) -> dict:
-        return {"replica": self.replica_id, **self.engine.stats().as_dict()}
+        return {
+            "replica": self.replica_id,
+            "open_streams": self.open_streams,
+            **self.engine.stats().as_dict(),
+        }
 
     def record_routing_stats(self) -> dict:
         """Serve calls this periodically; request routers read it (see ``routing/``). The same

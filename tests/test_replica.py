@@ -48,6 +48,21 @@ async def test_frames_ready_together_travel_as_one_item():
     assert len(items) < frames / 2
 
 
+async def test_open_streams_counts_a_stream_until_its_generator_closes():
+    r = replica()
+    stream = r.stream(BODY, "chat", "req-1")
+    assert r.stats()["open_streams"] == 0  # not started
+    await anext(stream)
+    assert r.stats()["open_streams"] == 1
+    async for _ in stream:
+        pass
+    assert r.stats()["open_streams"] == 0
+    abandoned = r.stream(BODY, "chat", "req-2")
+    await anext(abandoned)
+    await abandoned.aclose()  # the caller left mid-stream
+    assert r.stats()["open_streams"] == 0
+
+
 async def test_closing_the_stream_aborts_the_generation():
     r = replica(decode_base_s=0.01)
     body = {**BODY, "max_tokens": 500, "ignore_eos": True}
