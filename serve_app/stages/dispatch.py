@@ -138,11 +138,13 @@ class Dispatch:
             self._skipped(backend, "breaker_open")
         return admit
 
-    def spend_retry(self, backend: Backend) -> bool:
+    def spend_retry(self, backend: Backend, *, free: bool = False) -> bool:
+        """Consent for a retry on ``backend``, counted; ``free`` (after a failed probe) does not
+        draw on the budget."""
         if self.budget is None:
             return True
         now = time.monotonic()
-        spent = self.budget.try_spend(now)
+        spent = free or self.budget.try_spend(now)
         if self.metrics is not None:
             if spent:
                 self.metrics.retries.inc(tags={"backend": backend.name})
@@ -248,7 +250,7 @@ class _Plan:
             if admit is Admit.DENY:
                 _event("forge.skipped", backend=backend.name)
                 continue
-            if failure is not None and not probed and not dispatch.spend_retry(backend):
+            if failure is not None and not dispatch.spend_retry(backend, free=probed):
                 if admit is Admit.PROBE and dispatch.breakers is not None:
                     # Granted but never sent: free the probe slot for the next request.
                     dispatch.breakers.record(backend.name, Outcome.NEUTRAL, probe=True)
