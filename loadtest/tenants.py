@@ -331,13 +331,9 @@ async def _state(gateway) -> dict:
 
 
 def _scheduler_of(admission):
-    """The in-process ``FairScheduler`` behind the admission stage (best effort)."""
-    for attr in ("slots", "schedulers"):
-        per_model = getattr(admission, attr, None)
-        if per_model:
-            side = next(iter(per_model.values()))
-            return getattr(getattr(side, "client", side), "scheduler", None)
-    return None
+    """The in-process ``FairScheduler`` behind the admission stage (its one pool's)."""
+    slots = next(iter(admission.slots.values()))
+    return slots.client.scheduler
 
 
 # -- parent ------------------------------------------------------------------------------------

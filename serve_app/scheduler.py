@@ -70,7 +70,7 @@ import math
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -447,18 +447,14 @@ class FairScheduler:
         tails = [queue[-1] for queue in self._queues["batch"].values()]
         return max(tails, key=lambda w: w.seq, default=None)
 
-    def _eligible(self, tier: Tier) -> list[str]:
+    def _eligible(self, tier: Tier) -> Iterator[str]:
         """Tenants of ``tier`` with waiters and a slot to spare under their cap."""
         cap = self.tenant_cap
-        return [t for t in self._queues[tier] if self._inflight[t] < cap]
-
-    def _any_eligible(self, tier: Tier) -> bool:
-        cap = self.tenant_cap
-        return any(self._inflight[t] < cap for t in self._queues[tier])
+        return (t for t in self._queues[tier] if self._inflight[t] < cap)
 
     def _pick_tier(self) -> Tier | None:
-        interactive = self._any_eligible("interactive")
-        batch = self._any_eligible("batch")
+        interactive = next(self._eligible("interactive"), None) is not None
+        batch = next(self._eligible("batch"), None) is not None
         if not interactive and not batch:
             return None
         if not batch:

@@ -104,8 +104,9 @@ class WarmSlots:
         self._lent_to[tenant] -= 1
         if self._lent_to[tenant] <= 0:
             del self._lent_to[tenant]
-        if self.keep_warm_s > 0 and self._clock() >= self._contended_until:
-            self._parked[lease_id] = self._clock()
+        now = self._clock()
+        if self.keep_warm_s > 0 and now >= self._contended_until:
+            self._parked[lease_id] = now
             self._send_soon(("park", lease_id))
             self._watch_for_queues()
             self._sweep_later(self.keep_warm_s)
