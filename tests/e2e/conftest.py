@@ -197,11 +197,18 @@ class RedisServer:
 
     def _answers_ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+            return self._command(b"PING").startswith(b"+PONG")
         except OSError:
             return False
+
+    def flush(self) -> None:
+        """Empty it: every tenant's buckets start full again."""
+        assert self._command(b"FLUSHALL").startswith(b"+OK")
+
+    def _command(self, command: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+            s.sendall(command + b"\r\n")
+            return s.recv(16)
 
     def stop(self) -> None:
         if self.proc is not None:
