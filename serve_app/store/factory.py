@@ -13,9 +13,15 @@ from serve_app.store.memory import MemoryStore
 from serve_app.store.redis import RedisStore
 
 
-def build_store(config: StoreConfig, *, on_state: Callable[[State], None] | None = None) -> Store:
+def build_store(
+    config: StoreConfig,
+    *,
+    max_cache_bytes: int = 64 * 1024 * 1024,
+    on_state: Callable[[State], None] | None = None,
+) -> Store:
     """A guarded ``RedisStore`` (connected lazily) when Redis is configured, else a
-    ``MemoryStore``. Raises ``ConfigError`` when Redis is configured by an unset variable.
+    ``MemoryStore`` holding at most ``max_cache_bytes`` of cached answers. Raises
+    ``ConfigError`` when Redis is configured by an unset variable.
 
     ``timeout_s`` bounds each Redis connect and reply: the store is on the request path and fails
     open, so it should cost a request milliseconds, not seconds, when Redis is slow or gone; and
@@ -23,6 +29,6 @@ def build_store(config: StoreConfig, *, on_state: Callable[[State], None] | None
     """
     url = config.resolved_url()
     if not url:
-        return MemoryStore()
+        return MemoryStore(max_cache_bytes=max_cache_bytes)
     redis = RedisStore.from_url(url, key_prefix=config.key_prefix, timeout_s=config.timeout_s)
     return GuardedStore(redis, breaker_settings(config.breaker), on_state=on_state)

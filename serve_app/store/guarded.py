@@ -17,7 +17,7 @@ count.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from serve_app.resilience.breaker import Admit, Breaker, BreakerSettings, Outcome, State
@@ -93,6 +93,18 @@ class GuardedStore(Store):
 
     async def release_lease(self, key: str, lease_id: str) -> None:
         await self._call("release_lease", lambda: self.store.release_lease(key, lease_id))
+
+    async def cache_get(self, key: str) -> bytes | None:
+        return await self._call("cache_get", lambda: self.store.cache_get(key))
+
+    async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
+        await self._call("cache_put", lambda: self.store.cache_put(key, value, ttl_s))
+
+    async def add_counts(self, key: str, counts: Mapping[str, int], ttl_s: float) -> None:
+        await self._call("add_counts", lambda: self.store.add_counts(key, counts, ttl_s))
+
+    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
+        return await self._call("read_counts", lambda: self.store.read_counts(keys))
 
     async def ping(self) -> None:
         await self._call("ping", self.store.ping)

@@ -4,6 +4,10 @@ It keeps the Redis store's contract, including key expiry, so tests and a laptop
 like a cluster with one gateway replica. Atomicity comes from the event loop: no method awaits
 between reading state and writing it, so concurrent tasks cannot interleave inside a take. It is
 per-process by design: two gateway replicas on ``MemoryStore`` have two budgets.
+
+Cached responses are the one kind of key it may drop before expiry: they share a byte cap
+(``max_cache_bytes``), and a put that would exceed it evicts the least recently used entries
+first. A dropped cache entry is a miss; buckets, leases and counts are state, never evicted.
 """
 
 from __future__ import annotations
@@ -11,22 +15,27 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from serve_app.store.base import (
+    MAX_COUNT,
     Bucket,
     Store,
     StoreError,
     TakeResult,
+    check_counts,
     check_take,
     check_ttl,
     covers,
     retry_after,
 )
 
-Kind = Literal["bucket", "lease"]
+Kind = Literal["bucket", "lease", "cache", "counts"]
+
+DEFAULT_MAX_CACHE_BYTES = 64 * 1024 * 1024
 
 # Expired keys are dropped when read; keys nobody reads again (a departed tenant, a cold cache
 # entry) are dropped by the first writes at most this long after they expired, so they do not
@@ -41,15 +50,29 @@ _SLOT_S = SWEEP_INTERVAL_S / 2
 @dataclass(slots=True)
 class _Entry:
     kind: Kind
-    value: Any  # bucket: (level, last_refill); lease: {lease_id: expires_at}
+    # bucket: (level, last_refill); lease: {lease_id: expires_at}; cache: bytes;
+    # counts: {field: int}
+    value: Any
     expires_at: float
     slot: int = 0  # the expiry slot the key is filed in: never after its expiry's own
 
 
 class MemoryStore(Store):
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
+    ) -> None:
+        if max_cache_bytes < 0:
+            raise ValueError(f"max_cache_bytes must be >= 0, got {max_cache_bytes}")
         self._clock = clock
         self._data: dict[str, _Entry] = {}
+        # Cache keys, least recently used first, with each one's size (len(key) + len(value)),
+        # and their total: every path that drops a key goes through ``_drop`` to keep it exact.
+        self._max_cache_bytes = max_cache_bytes
+        self._lru: OrderedDict[str, int] = OrderedDict()
+        self._cache_bytes = 0
         # Expiry slot → keys filed in it (a key deleted or filed again since may linger in an
         # old slot; the sweep skips it), and a heap of those slots, earliest first.
         self._slots: dict[int, set[str]] = {}
@@ -60,6 +83,11 @@ class MemoryStore(Store):
         """Live and not-yet-swept keys (for tests of the expiry bound)."""
         return len(self._data)
 
+    @property
+    def cache_bytes(self) -> int:
+        """The size of the cache entries held, expired ones not yet swept included."""
+        return self._cache_bytes
+
     # -- keyspace ---------------------------------------------------------------------------
 
     def _live(self, key: str, kind: Kind, now: float) -> _Entry | None:
@@ -67,7 +95,7 @@ class MemoryStore(Store):
         if entry is None:
             return None
         if entry.expires_at <= now:
-            del self._data[key]
+            self._drop(key)
             return None
         if entry.kind != kind:
             # Redis answers WRONGTYPE here; the memory store fails the same way.
@@ -87,6 +115,10 @@ class MemoryStore(Store):
             if expires_at < entry.slot * _SLOT_S:  # it now expires before its slot: file earlier
                 self._file(key, entry)
         self._sweep(now)
+
+    def _drop(self, key: str) -> None:
+        self._data.pop(key, None)
+        self._cache_bytes -= self._lru.pop(key, 0)
 
     def _file(self, key: str, entry: _Entry) -> None:
         entry.slot = int(entry.expires_at // _SLOT_S)
@@ -111,7 +143,7 @@ class MemoryStore(Store):
                 entry = self._data.get(key)
                 if entry is not None and entry.slot == slot:
                     if entry.expires_at <= now:
-                        del self._data[key]
+                        self._drop(key)
                     else:
                         self._file(key, entry)
                 budget -= 1
@@ -167,7 +199,7 @@ class MemoryStore(Store):
         if holders:
             self._put(key, "lease", holders, max(holders.values()), now)
         else:
-            self._data.pop(key, None)
+            self._drop(key)
 
     async def acquire_lease(
         self, key: str, lease_id: str, limit: int, ttl_s: float
@@ -196,6 +228,55 @@ class MemoryStore(Store):
         holders = self._holders(key, now)
         holders.pop(lease_id, None)
         self._store_holders(key, holders, now)
+
+    # -- cache ------------------------------------------------------------------------------
+
+    async def cache_get(self, key: str) -> bytes | None:
+        entry = self._live(key, "cache", self._clock())
+        if entry is None:
+            return None
+        self._lru.move_to_end(key)
+        return entry.value
+
+    async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        now = self._clock()
+        size = len(key) + len(value)
+        if size > self._max_cache_bytes:
+            # Evicting everything would not make room; the old value must not outlive the put.
+            self._drop(key)
+            return
+        # The old value (of any kind: ``SET`` replaces any) is updated in place; its bytes leave
+        # the total first, so this key is never among the evicted.
+        self._cache_bytes -= self._lru.pop(key, 0)
+        while self._cache_bytes + size > self._max_cache_bytes:
+            self._drop(next(iter(self._lru)))
+        self._put(key, "cache", bytes(value), now + ttl_s, now)
+        self._lru[key] = size
+        self._cache_bytes += size
+
+    # -- counts -----------------------------------------------------------------------------
+
+    async def add_counts(self, key: str, counts: Mapping[str, int], ttl_s: float) -> None:
+        check_counts(counts)
+        check_ttl(ttl_s)
+        deltas = {field: value for field, value in counts.items() if value}
+        if not deltas:
+            return
+        now = self._clock()
+        entry = self._live(key, "counts", now)
+        fields: dict[str, int] = {} if entry is None else entry.value
+        totals = {field: fields.get(field, 0) + value for field, value in deltas.items()}
+        if any(not -MAX_COUNT - 1 <= total <= MAX_COUNT for total in totals.values()):
+            # Redis refuses an HINCRBY that would overflow too (an error, not a wrap).
+            raise StoreError(f"key {key!r}: a count would overflow 64 bits")
+        fields.update(totals)
+        self._put(key, "counts", fields, now + ttl_s, now)
+
+    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
+        now = self._clock()
+        entries = [self._live(key, "counts", now) for key in keys]
+        return [{} if entry is None else dict(entry.value) for entry in entries]
 
     async def ping(self) -> None:
         return None

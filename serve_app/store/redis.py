@@ -9,6 +9,8 @@ Key layout (``prefix`` defaults to ``forge:``; the caller names the rest):
 
 - ``{prefix}{bucket.key}``: hash ``{level, ts}``, ``ts`` in server microseconds.
 - ``{prefix}{lease key}``: sorted set of lease ids scored by expiry in server milliseconds.
+- ``{prefix}{cache key}``: string, the cached value, with the caller's TTL.
+- ``{prefix}{counts key}``: hash ``{field: integer}``, its TTL renewed by every add.
 
 Failures fail fast: a short socket timeout and no client retries. A retried take is not idempotent
 (the first attempt may have run), and a request served unmetered is cheaper than one that waits.
@@ -18,7 +20,7 @@ The connection pool reconnects on the next call once Redis answers again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -38,6 +40,7 @@ from serve_app.store.base import (
     StoreError,
     StoreUnavailable,
     TakeResult,
+    check_counts,
     check_take,
     check_ttl,
     retry_after,
@@ -161,6 +164,16 @@ return 1
 """
 )
 
+# KEYS[1]: counts hash. ARGV: ttl_ms, then (field, delta) per field. Deltas stay strings, so
+# HINCRBY sees every digit (a Lua number is a double).
+_ADD_COUNTS_LUA = """
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 0
+"""
+
 # What redis-py's BlockingConnectionPool raises when no pooled connection frees up in time.
 _POOL_EXHAUSTED = "No connection available."
 
@@ -181,6 +194,7 @@ class RedisStore(Store):
         self._peek = client.register_script(_PEEK_LUA)
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
+        self._add_counts = client.register_script(_ADD_COUNTS_LUA)
 
     @classmethod
     def from_url(
@@ -289,6 +303,47 @@ class RedisStore(Store):
     async def release_lease(self, key: str, lease_id: str) -> None:
         with self._failures("release_lease"):
             await self._client.zrem(self._key(key), lease_id)
+
+    # -- cache ------------------------------------------------------------------------------
+
+    async def cache_get(self, key: str) -> bytes | None:
+        with self._failures("cache_get"):
+            return await self._client.get(self._key(key))
+
+    async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        with self._failures("cache_put"):
+            await self._client.set(self._key(key), value, px=_ms(ttl_s))
+
+    # -- counts -----------------------------------------------------------------------------
+
+    async def add_counts(self, key: str, counts: Mapping[str, int], ttl_s: float) -> None:
+        check_counts(counts)
+        check_ttl(ttl_s)
+        args: list[str | int] = [_ms(ttl_s)]
+        for field, value in counts.items():
+            if value:
+                args += [field, value]
+        if len(args) == 1:
+            return
+        with self._failures("add_counts"):
+            await self._add_counts(keys=[self._key(key)], args=args)
+
+    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
+        if not keys:
+            return []
+        with self._failures("read_counts"):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hgetall(self._key(key))
+                replies = await pipe.execute()
+        try:
+            return [
+                {field.decode(): int(value) for field, value in reply.items()} for reply in replies
+            ]
+        except ValueError as exc:
+            # A hash that is not counts (a bucket's ``level``): the WRONGTYPE of hashes.
+            raise StoreError(f"redis read_counts failed: not a counts hash: {exc}") from exc
 
     async def ping(self) -> None:
         with self._failures("ping"):

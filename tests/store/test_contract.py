@@ -175,6 +175,85 @@ async def test_expired_lease_does_not_count_and_renew_extends(store: Store) -> N
     assert await store.acquire_lease("streams:t", "late", 2, 10) == (False, 2)
 
 
+# -- cache ----------------------------------------------------------------------------------
+
+
+async def test_cache_round_trip_absent_and_overwrite(store: Store) -> None:
+    assert await store.cache_get("cache:absent") is None
+    await store.cache_put("cache:k", b"\x00\xffbinary", 10)
+    assert await store.cache_get("cache:k") == b"\x00\xffbinary"
+    await store.cache_put("cache:k", b"second", 10)
+    assert await store.cache_get("cache:k") == b"second"
+    await store.cache_put("cache:empty", b"", 10)
+    assert await store.cache_get("cache:empty") == b""
+
+
+async def test_cache_entry_expires_after_its_ttl(store: Store) -> None:
+    await store.cache_put("cache:short", b"v", 0.3)
+    await store.cache_put("cache:long", b"v", 10)
+    assert await store.cache_get("cache:short") == b"v"
+    await asyncio.sleep(0.4)
+    assert await store.cache_get("cache:short") is None
+    assert await store.cache_get("cache:long") == b"v"
+
+
+async def test_cache_put_replaces_a_key_of_any_kind(store: Store) -> None:
+    await store.add_counts("mixed", {"a": 1}, 10)
+    await store.cache_put("mixed", b"v", 10)  # as Redis SET does
+    assert await store.cache_get("mixed") == b"v"
+
+
+# -- counts ---------------------------------------------------------------------------------
+
+
+async def test_add_counts_accumulates_across_calls_and_fields(store: Store) -> None:
+    await store.add_counts("usage:t", {"requests": 1, "tokens": 100}, 10)
+    await store.add_counts("usage:t", {"requests": 1, "cached": 3}, 10)
+    await store.add_counts("usage:t", {"tokens": -20, "zero": 0}, 10)
+    (counts,) = await store.read_counts(["usage:t"])
+    assert counts.pop("zero", 0) == 0  # a zero may be skipped or stored as 0
+    assert counts == {"requests": 2, "tokens": 80, "cached": 3}
+
+
+async def test_empty_counts_are_a_no_op(store: Store) -> None:
+    await store.add_counts("usage:t", {}, 10)
+    assert await store.read_counts(["usage:t"]) == [{}]
+
+
+async def test_concurrent_add_counts_sum_exactly(store: Store) -> None:
+    await asyncio.gather(
+        *(store.add_counts("usage:t", {"requests": 1, "tokens": i}, 10) for i in range(50))
+    )
+    assert await store.read_counts(["usage:t"]) == [{"requests": 50, "tokens": sum(range(50))}]
+
+
+async def test_read_counts_of_several_keys_in_order(store: Store) -> None:
+    await store.add_counts("usage:a", {"x": 1}, 10)
+    await store.add_counts("usage:c", {"y": 2, "z": 3}, 10)
+    assert await store.read_counts(["usage:a", "usage:absent", "usage:c"]) == [
+        {"x": 1},
+        {},
+        {"y": 2, "z": 3},
+    ]
+    assert await store.read_counts([]) == []
+
+
+async def test_counts_expire_after_their_ttl(store: Store) -> None:
+    await store.add_counts("usage:short", {"x": 1}, 0.3)
+    await store.add_counts("usage:long", {"x": 1}, 10)
+    await asyncio.sleep(0.4)
+    assert await store.read_counts(["usage:short", "usage:long"]) == [{}, {"x": 1}]
+    await store.add_counts("usage:short", {"x": 5}, 10)  # a new key: nothing left of the old
+    assert await store.read_counts(["usage:short"]) == [{"x": 5}]
+
+
+async def test_a_count_that_would_overflow_is_a_store_error(store: Store) -> None:
+    await store.add_counts("usage:t", {"x": 2**63 - 1}, 10)
+    with pytest.raises(StoreError):
+        await store.add_counts("usage:t", {"x": 1}, 10)
+    assert await store.read_counts(["usage:t"]) == [{"x": 2**63 - 1}]
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 
@@ -187,6 +266,26 @@ async def test_wrong_kind_of_key_is_a_store_error(store: Store) -> None:
         await store.acquire_lease("bucket", "a", 1, 10)
 
 
+async def test_wrong_kind_of_key_for_cache_and_counts_is_a_store_error(store: Store) -> None:
+    await store.cache_put("cached", b"v", 10)
+    await store.add_counts("counted", {"a": 1}, 10)
+    await store.acquire_lease("leased", "a", 1, 10)
+    with pytest.raises(StoreError):
+        await store.cache_get("counted")
+    with pytest.raises(StoreError):
+        await store.cache_get("leased")
+    with pytest.raises(StoreError):
+        await store.add_counts("cached", {"a": 1}, 10)
+    with pytest.raises(StoreError):
+        await store.read_counts(["counted", "cached"])
+    with pytest.raises(StoreError):
+        await store.read_counts(["leased"])
+    with pytest.raises(StoreError):
+        await store.acquire_lease("counted", "a", 1, 10)
+    assert await store.cache_get("cached") == b"v"
+    assert await store.read_counts(["counted"]) == [{"a": 1}]
+
+
 async def test_bad_arguments_are_value_errors(store: Store) -> None:
     b = bucket(10)
     with pytest.raises(ValueError):
@@ -197,6 +296,14 @@ async def test_bad_arguments_are_value_errors(store: Store) -> None:
         await store.acquire_lease("k", "a", 1, 0)
     with pytest.raises(ValueError):
         Bucket("k", -1, 1)
+    with pytest.raises(ValueError):
+        await store.cache_put("k", b"v", 0)
+    for bad in (1.5, "1", True, None, 2**63):
+        with pytest.raises(ValueError):
+            await store.add_counts("usage:t", {"x": 1, "y": bad}, 10)  # type: ignore[dict-item]
+    with pytest.raises(ValueError):
+        await store.add_counts("usage:t", {"x": 1}, -1)
+    assert await store.read_counts(["usage:t"]) == [{}]  # nothing of a refused add was applied
 
 
 async def test_ping_and_close(store: Store) -> None:

@@ -122,5 +122,114 @@ async def test_bucket_expiry_is_invisible(store: MemoryStore, clock: Clock) -> N
     assert await store.peek([b]) == (10.0,)
 
 
+# -- cache size cap -------------------------------------------------------------------------
+
+
+def entry(key: str, value: bytes) -> int:
+    return len(key) + len(value)
+
+
+async def test_cache_total_never_exceeds_the_cap(clock: Clock) -> None:
+    store = MemoryStore(clock=clock, max_cache_bytes=100)
+    for i in range(20):
+        await store.cache_put(f"k{i:02d}", bytes(20), 60)  # 23 bytes each: four fit
+        assert store.cache_bytes <= 100
+    assert store.cache_bytes == 4 * 23
+    assert [await store.cache_get(f"k{i:02d}") for i in range(15, 20)] == [None] + [bytes(20)] * 4
+
+
+async def test_the_least_recently_used_entry_is_evicted_first(clock: Clock) -> None:
+    store = MemoryStore(clock=clock, max_cache_bytes=3 * entry("a", bytes(9)))
+    for key in "abc":
+        await store.cache_put(key, bytes(9), 60)
+    assert await store.cache_get("a") == bytes(9)  # a is now the most recently used
+    await store.cache_put("d", bytes(9), 60)
+    assert await store.cache_get("b") is None
+    for key in "acd":
+        assert await store.cache_get(key) == bytes(9)
+    await store.cache_put("e", bytes(19), 60)  # twice the size: evicts the two oldest, a and c
+    assert [await store.cache_get(key) for key in "acde"] == [None, None, bytes(9), bytes(19)]
+    assert store.cache_bytes == entry("d", bytes(9)) + entry("e", bytes(19))
+
+
+async def test_a_value_larger_than_the_cap_is_not_stored(clock: Clock) -> None:
+    store = MemoryStore(clock=clock, max_cache_bytes=50)
+    await store.cache_put("small", b"s", 60)
+    await store.cache_put("big", b"old", 60)
+    await store.cache_put("big", bytes(48), 60)  # 51 bytes: over the cap on its own
+    assert await store.cache_get("big") is None  # and the old value is gone with the put
+    assert await store.cache_get("small") == b"s"
+    assert store.cache_bytes == entry("small", b"s")
+    await store.cache_put("fits", bytes(46), 60)  # exactly the cap: evicts the rest
+    assert await store.cache_get("fits") == bytes(46)
+    assert store.cache_bytes == 50
+
+
+async def test_overwrite_counts_only_the_new_value_and_never_evicts_itself(clock: Clock) -> None:
+    store = MemoryStore(clock=clock, max_cache_bytes=50)
+    await store.cache_put("k", bytes(10), 60)
+    await store.cache_put("k", bytes(40), 60)  # 41 + the old 11 would exceed the cap
+    assert await store.cache_get("k") == bytes(40)
+    assert store.cache_bytes == entry("k", bytes(40))
+    await store.cache_put("k", bytes(5), 60)
+    assert store.cache_bytes == entry("k", bytes(5))
+    assert len(store) == 1
+
+
+async def test_cache_total_stays_right_through_expiry(store: MemoryStore, clock: Clock) -> None:
+    await store.cache_put("read", b"r" * 10, 1)
+    for i in range(10):
+        await store.cache_put(f"cold:{i}", b"c" * 10, 1)
+    await store.cache_put("kept", b"k" * 10, 600)
+    clock.advance(1)
+    assert await store.cache_get("read") is None  # expired on read
+    assert store.cache_bytes == 10 * entry("cold:0", bytes(10)) + entry("kept", bytes(10))
+    clock.advance(SWEEP_INTERVAL_S)
+    await store.take([Bucket("quota:probe", 10, 1)], [1])  # a write sweeps the cold ones
+    assert store.cache_bytes == entry("kept", bytes(10))
+    assert len(store) == 2
+    await store.cache_put("kept", b"k", 600)
+    assert store.cache_bytes == entry("kept", b"k")
+
+
+async def test_an_expired_cache_key_reused_as_another_kind_leaves_the_total(
+    store: MemoryStore, clock: Clock
+) -> None:
+    await store.cache_put("k", bytes(10), 1)
+    clock.advance(1)
+    await store.add_counts("k", {"x": 1}, 60)
+    assert store.cache_bytes == 0
+    await store.cache_put("k", bytes(10), 60)  # and back: SET replaces the counts
+    assert store.cache_bytes == entry("k", bytes(10))
+    assert await store.cache_get("k") == bytes(10)
+
+
+async def test_only_cache_entries_are_evicted(clock: Clock) -> None:
+    store = MemoryStore(clock=clock, max_cache_bytes=20)
+    b = Bucket("quota:b", 10, 1)
+    await store.take([b], [4])
+    await store.acquire_lease("streams:t", "a", 1, 60)
+    await store.add_counts("usage:t", {"tokens": 7}, 60)
+    for i in range(50):
+        await store.cache_put(f"c{i:02d}", bytes(7), 60)  # 10 bytes each: two fit
+    assert store.cache_bytes == 20
+    assert len(store) == 3 + 2
+    assert await store.peek([b]) == (6.0,)
+    assert await store.acquire_lease("streams:t", "b", 1, 60) == (False, 1)
+    assert await store.read_counts(["usage:t"]) == [{"tokens": 7}]
+
+
+async def test_counts_expire_exactly_and_each_add_renews_the_ttl(
+    store: MemoryStore, clock: Clock
+) -> None:
+    await store.add_counts("usage:t", {"x": 1}, 10)
+    clock.advance(9)
+    await store.add_counts("usage:t", {"x": 1}, 10)
+    clock.advance(9.999)
+    assert await store.read_counts(["usage:t"]) == [{"x": 2}]
+    clock.advance(0.001)
+    assert await store.read_counts(["usage:t"]) == [{}]
+
+
 def test_build_store_without_a_redis_url_is_embedded() -> None:
     assert isinstance(build_store(StoreConfig()), MemoryStore)
