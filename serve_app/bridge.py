@@ -11,8 +11,9 @@ What crosses it, per pool:
 - router → gateway: the replica ids Serve can route to now (zero means the pool is cold: serve
   from the fallback at once and wake it), and which replica each request went to (a failure is
   charged to that replica's breaker even when it died before saying who it was);
-- gateway → router: the replica a retry must avoid, and the gateway's breaker states, so an
-  open replica is never chosen and a half-open one gets exactly its one probe.
+- gateway → router: the replica a retry must avoid, the replica a follow-up call must reach
+  (the usage of a stream the client left), and the gateway's breaker states, so an open
+  replica is never chosen and a half-open one gets exactly its one probe.
 
 ``reset_bridges()`` forgets everything (tests that build several gateways in one process).
 """
@@ -37,6 +38,8 @@ class PoolBridge:
     routed: dict[str, tuple[str, bool]] = field(default_factory=dict)
     # request id → the replica its first attempt failed on: its retry goes elsewhere
     avoid: dict[str, str] = field(default_factory=dict)
+    # request id → the one replica a call about it must reach (the usage of its aborted stream)
+    pinned: dict[str, str] = field(default_factory=dict)
     # The gateway's view of the breakers; None until a gateway in this process installs it.
     breakers: BreakerClient | None = None
 

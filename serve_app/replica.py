@@ -168,6 +168,17 @@ class Replica:
         """
         yield await self.complete(body, kind, request_id, trace_context)
 
+    async def abandoned_usage(
+        self, request_id: str, replica_id: str | None = None, wait_s: float = 1.0
+    ) -> dict | None:
+        """What an aborted stream of this replica cost (OpenAI ``usage``), once: the gateway
+        asks right after its client left, to charge exactly what the engine produced. Asked
+        of another replica (the one that served it is gone), None at once."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return None
+        usage = await self.engine.abandoned.collect(request_id, wait_s)
+        return None if usage is None else usage.to_openai()
+
     async def ready(self) -> str:
         """The warm-up call a gateway sends to a pool scaled to zero: it waits at the handle,
         so Serve's autoscaler starts a replica, and returns once the engine is loaded."""

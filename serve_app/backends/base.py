@@ -51,6 +51,11 @@ async def paced(source: AsyncIterator, first_s: float, idle_s: float, deadline: 
         wait, what = idle_s, "keep answering"
 
 
+# How long a replica waits for an aborted stream's usage to land (its abort runs as the gateway
+# asks); the whole question is bounded a little above, then the gateway charges its estimate.
+ABANDONED_WAIT_S = 1.0
+
+
 class PoolControl(Protocol):
     """What dispatch may ask of a backend that is a pool of replicas (not of an external URL)."""
 
@@ -69,6 +74,11 @@ class PoolControl(Protocol):
     def take_routed(self, request_id: str) -> tuple[str, bool] | None:
         """The replica the request's attempt went to and whether it was that replica's probe
         (once; None if it was never routed)."""
+        ...
+
+    async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
+        """The engine's ``usage`` of a stream the gateway abandoned on ``replica_id`` (the
+        client left, or it failed mid-way), or None if the replica cannot tell in time."""
         ...
 
 

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import AsyncIterator, Sequence
 
 from serve_app import errors
-from serve_app.backends.base import Timeouts, paced
+from serve_app.backends.base import ABANDONED_WAIT_S, Timeouts, paced
 from serve_app.bridge import BridgedPool, PoolBridge, replica_backend
 from serve_app.engines.base import EngineError, Kind
 from serve_app.replica import Replica
@@ -92,6 +92,12 @@ class LocalPoolBackend(BridgedPool):
             raise errors.upstream_timeout("The model did not finish answering in time.") from None
         except EngineError as exc:
             raise errors.bad_gateway(f"The model replica failed: {exc}") from exc
+
+    async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return None
+        return await replica.abandoned_usage(request_id, replica_id, ABANDONED_WAIT_S)
 
     async def ready(self) -> bool:
         return bool(self.replicas)

@@ -16,7 +16,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app import errors
-from serve_app.backends.base import Timeouts, paced
+from serve_app.backends.base import ABANDONED_WAIT_S, Timeouts, paced
 from serve_app.bridge import BridgedPool, PoolBridge
 from serve_app.config import PoolConfig
 from serve_app.engines.base import EngineError, Kind
@@ -151,6 +151,30 @@ class PoolBackend(BridgedPool):
             await asyncio.wait_for(_assigned(response), max(timeout, 0))
         except TimeoutError:
             raise errors.upstream_timeout("No model replica took the request in time.") from None
+
+    async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
+        """Asked of that very replica (the router obeys ``bridge.pinned``); None when it is
+        gone or slow, and the gateway charges its estimate.
+
+        A call is never left waiting for a replica that is gone: the router then sends it to
+        any replica, which answers None for a request it did not serve. And it is not
+        cancelled when slow: cancelling a call Serve has not yet assigned waits for the
+        assignment, blocking the event loop (``DeploymentResponse.cancel``); the replica
+        answers within ``ABANDONED_WAIT_S`` anyway.
+        """
+        if replica_id not in (self.bridge.replica_ids or ()):
+            return None  # gone already (it died mid-stream): nobody to ask
+        self.bridge.pinned[request_id] = replica_id
+        try:
+            call = self._handle.abandoned_usage.remote(
+                request_id=request_id, replica_id=replica_id, wait_s=ABANDONED_WAIT_S
+            )
+            return await asyncio.wait_for(asyncio.shield(call), ABANDONED_WAIT_S + 1.5)
+        except Exception as exc:  # TimeoutError, the replica died: an estimate it is
+            logger.info("usage of abandoned %s not collected: %s", request_id, type(exc).__name__)
+            return None
+        finally:
+            self.bridge.pinned.pop(request_id, None)
 
     async def ready(self) -> bool:
         """Whether a replica is up now. Never sends a request: that would wake a cold pool."""

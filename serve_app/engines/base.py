@@ -8,7 +8,10 @@ output formatting unchanged, and the simulated engine is a faithful stand-in for
 
 from __future__ import annotations
 
+import asyncio
+import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -48,9 +51,60 @@ class EngineStats:
     prefix_cache_hits: int  # tokens hit, as vllm:prefix_cache_hits_total
     max_num_seqs: int
     generation_tokens: int = 0  # cumulative, as vllm:generation_tokens_total
+    prompt_tokens: int = 0  # cumulative, as vllm:prompt_tokens_total
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class AbandonedUsage:
+    """What generations their callers abandoned cost, kept briefly for the gateway to collect.
+
+    A stream the client leaves is aborted at once (its slot is freed), so its usage cannot
+    travel in the stream; the gateway asks for it right after (``Replica.abandoned_usage``) and
+    charges the tenant exactly what the engine produced. Entries nobody collects (a caller that
+    died too) go after ``ttl_s`` or when more than ``keep`` wait. Keyed by the gateway's request
+    id: two abandoned requests under one client-chosen id on one replica are told apart only
+    by order.
+    """
+
+    def __init__(self, keep: int = 4096, ttl_s: float = 120.0) -> None:
+        self.keep = keep
+        self.ttl_s = ttl_s
+        self._entries: OrderedDict[str, list[tuple[float, Usage]]] = OrderedDict()
+        self._arrived: dict[str, asyncio.Event] = {}
+
+    def record(self, request_id: str, usage: Usage) -> None:
+        now = time.monotonic()
+        self._entries.setdefault(request_id, []).append((now, usage))
+        self._entries.move_to_end(request_id)
+        while len(self._entries) > self.keep or (
+            self._entries and next(iter(self._entries.values()))[0][0] < now - self.ttl_s
+        ):
+            self._entries.popitem(last=False)
+        event = self._arrived.pop(request_id, None)
+        if event is not None:
+            event.set()
+
+    async def collect(self, request_id: str, wait_s: float) -> Usage | None:
+        """The usage of an abandoned request (once), waiting up to ``wait_s`` for the abort to
+        land; None if it never does (the request finished, or was never here)."""
+        if request_id not in self._entries:
+            event = self._arrived.setdefault(request_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), wait_s)
+            except TimeoutError:
+                return None
+            finally:
+                if self._arrived.get(request_id) is event:
+                    del self._arrived[request_id]
+        queued = self._entries.get(request_id)
+        if not queued:
+            return None
+        _, usage = queued.pop(0)
+        if not queued:
+            del self._entries[request_id]
+        return usage
 
 
 class EngineError(Exception):
@@ -71,7 +125,7 @@ class Engine(ABC):
         The usage frame is included among the SSE frames only when the client asked for it
         (``stream_options.include_usage``); the ``Usage`` item is always yielded, for metering.
         ``data: [DONE]`` is not the engine's to send. Cancelling the iterator aborts the request
-        and frees its slot at once.
+        and frees its slot at once, and records what it cost in ``abandoned``.
         """
 
     @abstractmethod
@@ -80,6 +134,9 @@ class Engine(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
+
+    # Usage of aborted streams (see ``AbandonedUsage``); an engine records into it on abort.
+    abandoned: AbandonedUsage
 
     def cached_block_hashes(self) -> list[int]:
         """Prefix-cache block hashes (vLLM's chain over full prompt blocks), for KV-aware

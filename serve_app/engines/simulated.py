@@ -16,7 +16,7 @@ import orjson
 
 from serve_app import errors, tokenizer
 from serve_app.config import SimulatedEngineConfig
-from serve_app.engines.base import Engine, EngineStats, Kind, Usage
+from serve_app.engines.base import AbandonedUsage, Engine, EngineStats, Kind, Usage
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig
 from serve_app.protocol import prompt_text
 
@@ -27,6 +27,7 @@ class SimulatedEngine(Engine):
         self.config = config
         self.default_max_tokens = default_max_tokens
         self._serial = 0
+        self.abandoned = AbandonedUsage()
         self.llm = SimulatedLLM(
             SimulatedLLMConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -56,6 +57,7 @@ class SimulatedEngine(Engine):
                 max_tokens,
                 seed_text=None if body.get("seed") is None else str(body["seed"]),
                 ignore_eos=bool(body.get("ignore_eos")),
+                on_abort=lambda usage: self.abandoned.record(request_id, usage),
             )
         except ValueError as exc:
             raise errors.invalid_request(str(exc), code="context_length_exceeded") from None
@@ -147,6 +149,7 @@ class SimulatedEngine(Engine):
             prefix_cache_hits=llm.prefix_cache_hits,
             max_num_seqs=self.config.max_num_seqs,
             generation_tokens=llm.generation_tokens,
+            prompt_tokens=llm.prompt_tokens,
         )
 
     def cached_block_hashes(self) -> list[int]:

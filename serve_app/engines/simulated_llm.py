@@ -24,12 +24,12 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
 from serve_app.block_hashes import prefix_block_hashes
-from serve_app.engines.base import EngineError
+from serve_app.engines.base import EngineError, Usage
 from serve_app.tokenizer import OUTPUT_WORDS, token_id
 
 FinishReason = Literal["stop", "length"]
@@ -213,6 +213,7 @@ class _Request:
         "num_generated",
         "num_output_tokens",
         "num_prompt_tokens",
+        "on_abort",
         "pending",
         "request_id",
         "seed",
@@ -229,8 +230,10 @@ class _Request:
         num_output_tokens: int,
         last_finish_reason: FinishReason,
         num_final_blocks: int,
+        on_abort: Callable[[Usage], None] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.on_abort = on_abort
         self.num_prompt_tokens = num_prompt_tokens
         self.block_hashes = block_hashes
         self.seed = seed
@@ -309,6 +312,12 @@ class SimulatedLLM:
         return self._prefix_cache_hits
 
     @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the requests admitted (prefilled), cumulative, as
+        vllm:prompt_tokens_total: a request aborted while still waiting adds nothing."""
+        return self._prefix_cache_queries
+
+    @property
     def generation_tokens(self) -> int:
         """Tokens generated, cumulative (vllm:generation_tokens_total): an aborted request
         stops adding to it at once."""
@@ -331,6 +340,7 @@ class SimulatedLLM:
         *,
         seed_text: str | None = None,
         ignore_eos: bool = False,
+        on_abort: Callable[[Usage], None] | None = None,
     ) -> AsyncIterator[TokenOutput]:
         """Validate now, return a stream of tokens that queues the request when first iterated.
 
@@ -338,7 +348,9 @@ class SimulatedLLM:
         fails here, at call time. The request enters the queue only when iteration starts, so a
         stream that is created but never iterated holds nothing. The stream ends after the token
         whose ``finish_reason`` is set, or, if aborted, early and without one. Closing it or
-        cancelling its consumer aborts the request at once.
+        cancelling its consumer aborts the request at once, and ``on_abort`` hears what the
+        aborted request cost: its prompt if it was prefilled, and every token generated for
+        it (delivered or not), exactly what the engine's counters added.
         """
         cfg = self._config
         num_prompt = len(prompt_token_ids)
@@ -366,6 +378,7 @@ class SimulatedLLM:
             num_output_tokens=num_output,
             last_finish_reason="length" if ignore_eos or max_tokens < natural else "stop",
             num_final_blocks=_ceil_div(num_prompt + num_output, cfg.block_size),
+            on_abort=on_abort,
         )
         return self._stream(request)
 
@@ -423,7 +436,8 @@ class SimulatedLLM:
 
     def _release(self, request: _Request, *, aborted: bool) -> None:
         """Take a request out of the engine; idempotent, so every exit path can call it."""
-        if request.state == _RUNNING:
+        prefilled = request.state == _RUNNING
+        if prefilled:
             del self._running[request.request_id]
             self._pool.release(
                 request.block_hashes,
@@ -438,6 +452,14 @@ class SimulatedLLM:
         del self._requests[request.request_id]
         if aborted:
             request.pending.clear()
+            if request.on_abort is not None:
+                request.on_abort(
+                    Usage(
+                        request.num_prompt_tokens if prefilled else 0,
+                        request.num_generated,
+                        request.num_cached_tokens if prefilled else 0,
+                    )
+                )
         request.wake()
 
     async def _run(self) -> None:

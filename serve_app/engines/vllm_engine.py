@@ -25,7 +25,14 @@ import orjson
 
 from serve_app import errors
 from serve_app.config import VLLMEngineConfig
-from serve_app.engines.base import Engine, EngineError, EngineStats, Kind, Usage
+from serve_app.engines.base import (
+    AbandonedUsage,
+    Engine,
+    EngineError,
+    EngineStats,
+    Kind,
+    Usage,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,6 +53,9 @@ class VLLMEngine(Engine):
         self.config = config
         self.default_max_tokens = default_max_tokens
         self._serial = 0
+        # vLLM's streams carry no usage until their end, so an aborted one's is not known here:
+        # nothing is recorded and the gateway charges its estimate (counted as estimated).
+        self.abandoned = AbandonedUsage()
         self._load = SchedulerLoad()
         self._args = vllm_server_args(model, config)
         engine_args = AsyncEngineArgs.from_cli_args(self._args)
@@ -204,6 +214,7 @@ class VLLMEngine(Engine):
             prefix_cache_hits=load.prefix_cache_hits,
             max_num_seqs=self.max_num_seqs,
             generation_tokens=load.generation_tokens,
+            prompt_tokens=load.prompt_tokens,
         )
 
     async def check_health(self) -> None:
@@ -235,6 +246,7 @@ class SchedulerLoad:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.generation_tokens = 0
+        self.prompt_tokens = 0
 
     def per_engine_logger(self, vllm_config: Any, engine_index: int = 0) -> SchedulerLoad:
         """vLLM's per-engine stat logger factory. One engine core per replica: one tap."""
@@ -243,6 +255,7 @@ class SchedulerLoad:
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
         if iteration_stats is not None:
             self.generation_tokens += iteration_stats.num_generation_tokens
+            self.prompt_tokens += iteration_stats.num_prompt_tokens
         if scheduler_stats is None:
             return
         self.running = scheduler_stats.num_running_reqs

@@ -91,6 +91,12 @@ class ForgeRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         request_id = _request_id(pending_request)
+        pinned = self.bridge.pinned.get(request_id) if request_id else None
+        if pinned is not None:
+            # A follow-up call about a request: only its replica knows. If that one is gone,
+            # any replica answers (None): a call Serve cannot place would wait forever.
+            target = by_id.get(pinned) or next(iter(candidate_replicas), None)
+            return [[target]] if target is not None else []
         excluded = self._excluded(list(by_id), request_id)
         probe = await self._probe_for(request_id, excluded)
         if probe is not None:
@@ -145,7 +151,7 @@ class ForgeRequestRouter(RequestRouter):
             return
         self._routes.pop(pending_request.metadata.internal_request_id, None)
         request_id = _request_id(pending_request)
-        if request_id is not None:
+        if request_id is not None and request_id not in self.bridge.pinned:
             breakers = self.bridge.breakers
             probe = self._probes.pop(request_id, None) == rid or (
                 breakers is not None
@@ -205,7 +211,11 @@ class ForgeRequestRouter(RequestRouter):
 
 
 def _request_id(pending: PendingRequest | None) -> str | None:
-    """Forge's request id, the third argument of ``stream``/``complete`` (not of ``ready``)."""
-    if pending is None or len(pending.args) < 3 or not isinstance(pending.args[2], str):
+    """Forge's request id: the third argument of ``stream``/``complete``, or the keyword of a
+    follow-up call (``abandoned_usage``); None for ``ready``."""
+    if pending is None:
         return None
-    return pending.args[2]
+    if len(pending.args) >= 3 and isinstance(pending.args[2], str):
+        return pending.args[2]
+    request_id = pending.kwargs.get("request_id") if pending.kwargs else None
+    return request_id if isinstance(request_id, str) else None

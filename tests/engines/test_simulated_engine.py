@@ -202,3 +202,46 @@ async def test_same_seed_same_text_different_seed_differs(engine):
     other, _ = await collect(engine, {**body, "seed": 2})
     assert content_of(first) == content_of(again)
     assert content_of(first) != content_of(other)
+
+
+async def test_an_abandoned_stream_reports_what_the_engine_generated(make_engine):
+    """The client leaves after 3 tokens; tokens already generated but never read count too,
+    exactly as the engine's own counters do: that is what the tenant is charged."""
+    engine = make_engine(decode_base_s=0.001)
+    body = {**CHAT, "max_tokens": 500, "ignore_eos": True}
+    stream = engine.stream(body, "chat", "gone-1")
+    read = 0
+    async for item in stream:
+        read += isinstance(item, bytes)
+        if read == 4:  # the role chunk and 3 tokens
+            break
+    await asyncio.sleep(0.02)  # steps run on: generated, never read
+    await stream.aclose()
+    usage = await engine.abandoned.collect("gone-1", wait_s=1.0)
+    stats = engine.stats()
+    assert usage is not None
+    assert usage.completion_tokens == stats.generation_tokens > 3
+    assert (
+        usage.prompt_tokens
+        == stats.prompt_tokens
+        == len(tokenizer.encode(prompt_text(body, "chat")))
+    )
+    assert await engine.abandoned.collect("gone-1", wait_s=0.01) is None  # collected once
+
+
+async def test_a_finished_stream_leaves_nothing_to_collect(engine):
+    await collect(engine, CHAT, request_id="done-1")
+    assert await engine.abandoned.collect("done-1", wait_s=0.05) is None
+
+
+async def test_collect_waits_for_an_abort_that_lands_after_the_question(make_engine):
+    engine = make_engine(decode_base_s=0.001)
+    body = {**CHAT, "max_tokens": 500, "ignore_eos": True}
+    stream = engine.stream(body, "chat", "late-1")
+    await anext(stream)
+    asked = asyncio.create_task(engine.abandoned.collect("late-1", wait_s=2.0))
+    await asyncio.sleep(0.01)
+    assert not asked.done()
+    await stream.aclose()
+    usage = await asked
+    assert usage is not None and usage.completion_tokens == engine.stats().generation_tokens

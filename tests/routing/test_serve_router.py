@@ -308,3 +308,42 @@ async def test_kv_aware_reads_each_new_block_list_not_a_stale_one():
         ids = await ranked(router, replicas, pending(f"req-{n}", prompt))
         # Only the new list holds this prompt's blocks; without them the tie goes to "a".
         assert ids[0] == "b", f"report {n}: the router did not see the new block list"
+
+
+# -- follow-up calls ---------------------------------------------------------------------------
+
+
+def usage_question(request_id: str) -> PendingRequest:
+    """``abandoned_usage.remote(request_id=..., replica_id=..., wait_s=...)`` as Serve holds it."""
+    return PendingRequest(
+        args=[],
+        kwargs={"request_id": request_id, "replica_id": "b", "wait_s": 1.0},
+        metadata=RequestMetadata(
+            request_id=request_id, internal_request_id="q", call_method="abandoned_usage"
+        ),
+    )
+
+
+async def test_a_question_about_a_request_goes_to_its_replica_even_past_an_open_breaker(
+    board, breakers
+):
+    router = make_router("round_robin")
+    replicas = [Replica("a"), Replica("b"), Replica("c")]
+    router.update_replicas(replicas)
+    await open_breaker(board, breakers, "b")  # it failed mid-stream; it still knows the usage
+    bridge = pool_bridge(APP, POOL)
+    bridge.pinned["req-1"] = "b"
+    for _ in range(3):
+        assert await ranked(router, replicas, usage_question("req-1")) == ["b"]
+    router.on_request_routed(usage_question("req-1"), replicas[1].replica_id, None)
+    assert bridge.routed == {}  # not an attempt of the request: nothing for dispatch to collect
+
+
+async def test_a_question_for_a_replica_that_is_gone_still_goes_somewhere():
+    """A call Serve cannot place would wait forever, and cancelling an unplaced call blocks
+    the event loop: any replica answers (None) instead."""
+    router = make_router("round_robin")
+    replicas = [Replica("a"), Replica("c")]
+    router.update_replicas(replicas)
+    pool_bridge(APP, POOL).pinned["req-1"] = "b"
+    assert len(await ranked(router, replicas, usage_question("req-1"))) == 1
