@@ -8,7 +8,12 @@ series is one line wherever it lives.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from serve_app.metering import UsageRecord
 
 _LATENCY_BUCKETS = [
     0.001,
@@ -72,10 +77,33 @@ class ForgeMetrics:
             "Streams that ended in an error event after their first byte (not client leaves).",
             *("model", "backend"),
         )
+        # Metering's counters: the same records the usage report is kept from.
         self.tokens = counter(
             "forge_tokens_total",
-            "Tokens by tenant, model and kind (prompt, completion), from backend usage.",
+            "Tokens by tenant, model and kind: prompt and completion (the backends' usage) "
+            "and cached (answered from the response cache).",
             *("tenant", "model", "kind"),
+        )
+        self.metered = counter(
+            "forge_metered_requests_total",
+            "Metered requests by tenant, model and counter (requests, cached_requests, "
+            "fallback_requests, estimated_requests, errors_<class>), as the usage report.",
+            *("tenant", "model", "counter"),
+        )
+        self.cache = counter(
+            "forge_cache_requests_total",
+            "Response cache lookups by model and result (hit, miss, bypass, error).",
+            *("model", "result"),
+        )
+        self.cache_hits = counter(
+            "forge_cache_hits_total",
+            "Requests answered from the response cache, by tenant.",
+            "tenant",
+        )
+        self.cache_stores = counter(
+            "forge_cache_stores_total",
+            "Answers offered to the cache, by result (stored, too_large, not_plain, error).",
+            "result",
         )
 
         self.shed = counter(
@@ -162,10 +190,16 @@ class ForgeMetrics:
         completion = _count(usage, "completion_tokens")
         if ttft_s is not None and completion > 1 and duration_s > ttft_s:
             self.tpot.observe((duration_s - ttft_s) / (completion - 1), tags=timing_tags)
-        for kind in ("prompt", "completion"):
-            count = _count(usage, f"{kind}_tokens")
-            if count > 0:
-                self.tokens.inc(count, tags={"tenant": tenant, "model": model, "kind": kind})
+
+    def meter(self, record: UsageRecord) -> None:
+        for name, value in record.counts.items():
+            if not value:
+                continue
+            tags = {"tenant": record.tenant, "model": record.model}
+            if name.endswith("_tokens"):
+                self.tokens.inc(value, tags={**tags, "kind": name.removesuffix("_tokens")})
+            else:
+                self.metered.inc(value, tags={**tags, "counter": name})
 
 
 def _count(usage: dict | None, field: str) -> int:

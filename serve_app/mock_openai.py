@@ -3,7 +3,8 @@
 It is the simulated engine behind a plain OpenAI HTTP surface. ``configs/local.yaml`` runs it
 as a second Serve application on its own route prefix, and the gateway's fallback client cannot
 tell it from Gemini's OpenAI-compatible endpoint (it checks the bearer key when one is
-configured). ``python -m serve_app.mock_openai --port N`` serves the same app without Ray: the
+configured), and ``GET /stats`` tells what its engine generated (what metering tests sum
+against). ``python -m serve_app.mock_openai --port N`` serves the same app without Ray: the
 "straight to the backend" baseline of the overhead benchmark.
 """
 
@@ -60,6 +61,10 @@ def create_mock_app(model: str, engine: dict, api_key: str | None = None) -> Sta
                 yield item
         yield sse.DONE
 
+    async def stats(request: Request) -> Response:
+        """The engine's cumulative counters: what a test sums metering against."""
+        return Response(orjson.dumps(simulated.stats().as_dict()), media_type="application/json")
+
     async def chat(request: Request) -> Response:
         return await serve_kind(request, "chat")
 
@@ -69,6 +74,7 @@ def create_mock_app(model: str, engine: dict, api_key: str | None = None) -> Sta
     return Starlette(
         routes=[
             Route("/v1/models", models, methods=["GET"]),
+            Route("/stats", stats, methods=["GET"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
         ]

@@ -7,6 +7,7 @@ The gateway lists the stages in the design's order; each stage is a module of ``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -47,6 +48,13 @@ class RequestContext:
     release_slot: Callable[[], None] | None = None
     stream_error: str | None = None  # set when a stream ended with an SSE error event
     client_timeout_s: float | None = None  # the client's own total deadline, if it gave one
+    cache: str | None = None  # "hit", "miss" or "bypass" once the cache stage has looked
+    # What the cache keeps of a miss: the non-streamed answer, or the stream's frames (a list
+    # only while the cache wants them; relay appends to it).
+    completion: dict | None = None
+    frames: list[bytes] | None = None
+    frames_budget: int = 0  # bytes of frames still to keep; past it, ``frames`` is dropped
+    prompt_estimate: int | None = None  # the gateway's count of the prompt, once made
 
     @property
     def tenant_name(self) -> str:
@@ -99,9 +107,36 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            # In a task of its own: a server that cancels the request when its client leaves
+            # (Serve's proxy does) must not cut short the abort, the usage it reports, or the
+            # settling and metering that follow it.
+            ending = asyncio.ensure_future(self._end())
+            _ending.add(ending)
+            ending.add_done_callback(_ending.discard)
+            await asyncio.shield(ending)
+
+    async def _end(self) -> None:
+        try:
             await self._close_source()  # a generation nobody will read is aborted
-            callbacks, self._end_callbacks = self._end_callbacks, []
-            _run_all(callbacks, self._completed)
+        except Exception:
+            logger.exception("closing a stream's source failed")
+        callbacks, self._end_callbacks = self._end_callbacks, []
+        _run_all(callbacks, self._completed)
+
+
+# Streams' endings still running after their request was cancelled (kept from the collector).
+_ending: set[asyncio.Future] = set()
+
+
+def final_status(ctx: RequestContext, response: Response, completed: bool) -> int:
+    """The status an outcome is counted under: 499 when the client left first (nginx's
+    "client closed request"), 599 for a stream that failed after its first byte (the client
+    saw 200, then an SSE error event), else the response's own."""
+    if not completed:
+        return 499
+    if ctx.stream_error and isinstance(response, StreamingResponse):
+        return 599
+    return response.status_code
 
 
 def on_response_end(response: Response, callback: Callable[[bool], None]) -> Response:

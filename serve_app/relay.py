@@ -63,6 +63,11 @@ def take_frames(ctx: RequestContext, batch: list) -> bytes:
         if type(item) is bytes:
             frames.append(item)
             ctx.frames_sent += 1
+            if ctx.frames is not None:
+                ctx.frames.append(item)
+                ctx.frames_budget -= len(item)
+                if ctx.frames_budget < 0:
+                    ctx.frames = None  # too long to keep: not worth its memory
         elif "usage" in item:
             ctx.usage = item["usage"]
         elif "replica" in item:

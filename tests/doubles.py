@@ -66,6 +66,8 @@ class RecordingMetrics:
     def record(self, **fields) -> None:
         self.recorded.append(fields)
 
+    meter = ForgeMetrics.meter  # onto the recording series
+
 
 def chunk(text: str) -> bytes:
     return sse.frame({"object": "chat.completion.chunk", "choices": [{"delta": {"content": text}}]})
@@ -167,6 +169,18 @@ class DownStore(Store):
         self._fail()
 
     async def release_lease(self, key, lease_id) -> None:
+        self._fail()
+
+    async def cache_get(self, key) -> bytes | None:
+        self._fail()
+
+    async def cache_put(self, key, value, ttl_s) -> None:
+        self._fail()
+
+    async def add_counts(self, key, counts, ttl_s) -> None:
+        self._fail()
+
+    async def read_counts(self, keys) -> list[dict[str, int]]:
         self._fail()
 
     async def ping(self) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from serve_app.metering import UsageRecord
 from serve_app.metrics import ForgeMetrics
 from tests.doubles import Counter
 
-SERIES = ("requests", "ttft", "tpot", "duration", "truncated", "tokens")
+SERIES = ("requests", "ttft", "tpot", "duration", "truncated", "tokens", "metered")
 
 
 @pytest.fixture
@@ -32,17 +33,24 @@ def record(metrics: ForgeMetrics, **overrides) -> None:
     metrics.record(**{**fields, **overrides})
 
 
-def test_a_stream_gives_ttft_tpot_duration_and_tokens_by_model(metrics):
+def test_a_stream_gives_ttft_tpot_and_duration_by_model(metrics):
     record(metrics)
     tags = {"route": "chat", "model": "forge-sim", "backend": "primary"}
     assert metrics.requests.calls == [{"tenant": "acme", "status": "200", **tags}]
     assert metrics.ttft.values == [0.1] and metrics.ttft.calls == [tags]
     assert metrics.tpot.values == [pytest.approx(0.1)]  # 1.0 s over the 10 tokens after the first
     assert metrics.duration.values == [1.1]
-    assert metrics.tokens.values == [7, 11]
-    assert {c["kind"] for c in metrics.tokens.calls} == {"prompt", "completion"}
-    assert all(c["model"] == "forge-sim" for c in metrics.tokens.calls)
     assert metrics.truncated.calls == []
+    assert metrics.tokens.calls == []  # tokens are metering's: one record, two views
+
+
+def test_a_usage_record_counts_tokens_by_kind_and_the_rest_by_counter(metrics):
+    counts = {"requests": 1, "prompt_tokens": 7, "completion_tokens": 11, "cached_tokens": 0}
+    metrics.meter(UsageRecord("acme", "forge-sim", "2026-11-30", counts))
+    kinds = [call["kind"] for call in metrics.tokens.calls]
+    assert dict(zip(kinds, metrics.tokens.values, strict=True)) == {"prompt": 7, "completion": 11}
+    requests = {"tenant": "acme", "model": "forge-sim", "counter": "requests"}
+    assert metrics.metered.calls == [requests]
 
 
 def test_a_truncated_stream_is_counted_apart_from_a_client_leaving(metrics):

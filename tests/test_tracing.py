@@ -26,7 +26,15 @@ from tests.test_gateway import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_ar
 PROMPT = "a secret prompt the traces must never carry"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
-STAGES = ["forge.requestid", "forge.telemetry", "forge.auth", "forge.parse", "forge.quota"]
+STAGES = [
+    "forge.requestid",
+    "forge.telemetry",
+    "forge.auth",
+    "forge.meter",
+    "forge.parse",
+    "forge.quota",
+    "forge.cache",
+]
 
 
 @pytest.fixture

@@ -190,7 +190,7 @@ class Dispatch:
         attempt.settle(ctx, Outcome.SUCCESS)
         _release_pool_slot_on_failover(ctx, backend, candidates)
         response = result["response"]
-        ctx.backend, ctx.usage = backend.name, response.get("usage")
+        ctx.backend, ctx.usage, ctx.completion = backend.name, response.get("usage"), response
         ctx.replica = result["replica"] or ctx.replica
         ctx.first_byte_at = time.perf_counter()
         return Response(
@@ -215,9 +215,17 @@ class Dispatch:
         attempt.answering(ctx)
         _release_pool_slot_on_failover(ctx, backend, candidates)
         head = take_frames(ctx, first)
+
+        async def close_source() -> None:
+            await stream.aclose()
+            if ctx.usage is None and backend.pool is not None and ctx.replica:
+                # Ended early (the client left, or it failed mid-way): the replica aborted the
+                # generation; charge what its engine produced, not an estimate.
+                ctx.usage = await backend.pool.abandoned_usage(ctx.request_id, ctx.replica)
+
         return EventStream(
             relay(ctx, head, stream, lambda outcome: attempt.settle(ctx, outcome)),
-            close_source=stream.aclose,
+            close_source=close_source,
             headers={**_STREAM_HEADERS, **_served_by(ctx)},
         )
 

@@ -12,8 +12,6 @@ at most once per interval.
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 import uuid
 from collections.abc import Mapping
 
@@ -21,17 +19,16 @@ from starlette.responses import Response
 
 from serve_app import tokenizer
 from serve_app.config import TenantConfig
+from serve_app.metering import charged_tokens
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
 from serve_app.protocol import prompt_text
 from serve_app.quota import TenantQuota
+from serve_app.stages.store_failures import StoreFailures
 from serve_app.store import Store, StoreError
-
-logger = logging.getLogger("ray.serve")
 
 # A lease outlives its request by this much if the gateway dies; live streams renew it.
 LEASE_TTL_S = 60.0
-_WARN_EVERY_S = 30.0
 
 
 class QuotaStage:
@@ -47,13 +44,15 @@ class QuotaStage:
         self.quotas = {t.name: TenantQuota.of(t) for t in tenants}
         self.default_max_tokens = default_max_tokens
         self._settling: set[asyncio.Task] = set()
-        self._last_warning = 0.0
+        self._store_failed = StoreFailures(metrics, "serving unmetered")
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         quota = self.quotas[ctx.tenant.name]
         if quota.unlimited:
             return await call_next(ctx)
-        prompt_tokens = tokenizer.count_tokens(prompt_text(ctx.body, ctx.route))
+        prompt_tokens = ctx.prompt_estimate = tokenizer.count_tokens(
+            prompt_text(ctx.body, ctx.route)
+        )
         max_tokens = ctx.parsed.output_limit() or self.default_max_tokens.get(ctx.parsed.model, 256)
         reserved = prompt_tokens + max_tokens
         quota.check_fits(reserved, prompt_tokens, max_tokens)
@@ -139,7 +138,8 @@ class QuotaStage:
     ) -> None:
         try:
             if quota.tokens is not None:
-                used = _tokens_used(ctx, prompt_tokens)
+                prompt, completion, _ = charged_tokens(ctx)
+                used = prompt + completion
                 if used != reserved:
                     await self.store.adjust(quota.tokens, reserved - used)
         except StoreError as exc:
@@ -150,24 +150,3 @@ class QuotaStage:
                     await self.store.release_lease(quota.stream_key, lease)
                 except StoreError as exc:
                     self._store_failed("release", exc)
-
-    def _store_failed(self, op: str, exc: StoreError) -> None:
-        self.metrics.store_errors.inc(tags={"op": op})
-        now = time.monotonic()
-        if now - self._last_warning >= _WARN_EVERY_S:
-            self._last_warning = now
-            logger.warning("store unavailable (%s: %s); serving unmetered", op, exc)
-
-
-def _tokens_used(ctx: RequestContext, prompt_tokens: int) -> int:
-    """The backend's own count; without one, the prompt estimate plus what was relayed."""
-    if ctx.usage:
-        try:
-            return int(ctx.usage.get("prompt_tokens") or 0) + int(
-                ctx.usage.get("completion_tokens") or 0
-            )
-        except (TypeError, ValueError):
-            pass  # an upstream's malformed usage: fall back to our own estimate
-    if ctx.first_byte_at is None:
-        return 0  # failed or refused before anything was generated: nothing to charge
-    return prompt_tokens + ctx.frames_sent

@@ -10,11 +10,11 @@ import logging
 import time
 
 import orjson
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from serve_app import errors
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext, on_response_end
+from serve_app.pipeline import Handler, RequestContext, final_status, on_response_end
 
 logger = logging.getLogger("ray.serve")
 # A child of Serve's logger: lands in the replica's log file, tagged with the request id.
@@ -34,17 +34,9 @@ class TelemetryStage:
             # The trace stays in our log under the request id; the client gets a clean 500.
             logger.exception("unhandled error in request %s", ctx.request_id)
             response = errors.error_response(errors.internal_error())
-        streaming = isinstance(response, StreamingResponse)
-
-        def record(completed: bool) -> None:
-            status = response.status_code
-            if not completed:
-                status = 499  # nginx's "client closed request"
-            elif streaming and ctx.stream_error:
-                status = 599  # failed after the first byte: the 200 was already sent
-            self._record(ctx, status)
-
-        return on_response_end(response, record)
+        return on_response_end(
+            response, lambda completed: self._record(ctx, final_status(ctx, response, completed))
+        )
 
     def _record(self, ctx: RequestContext, status: int) -> None:
         now = time.perf_counter()
