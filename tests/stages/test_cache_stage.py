@@ -1,0 +1,469 @@
+"""The response cache through the whole gateway, as a client sees it: the official ``openai``
+client over httpx's ``ASGITransport`` into a gateway wired in process (real replicas and
+engines, a real scheduler, the embedded store, the mock fallback as an ASGI app).
+
+The cache keeps a miss's answer in a background task once the response has ended, so a test
+that needs the entry waits for it (``stored``) instead of sleeping; a test that needs an answer
+*not* to have been kept first lets a later answer be kept (``barrier``): the store's tasks run
+in the order they were made, so by then the earlier one would have been too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from openai.types import CompletionUsage
+
+from serve_app.auth import hash_key
+from serve_app.config import load_config
+from serve_app.gateway import Gateway
+from serve_app.local import build_local_gateway
+from serve_app.mock_openai import create_mock_app
+from serve_app.quota import TenantQuota
+from serve_app.store import GuardedStore, MemoryStore, Store
+from tests.doubles import Clock, DownStore, RecordingMetrics
+from tests.polling import eventually_async
+
+MODEL = "forge-sim"
+UPSTREAM_KEY = "sk-test-cache-upstream"
+KEY_ENV = "FORGE_TEST_CACHE_UPSTREAM_KEY"
+FAST = {"prefill_base_s": 0.0, "decode_base_s": 0.0, "output_tokens_min": 4, "output_tokens_max": 8}
+KEYS = {
+    "alpha": "sk-cache-alpha",
+    "beta": "sk-cache-beta",
+    "pooled-1": "sk-cache-pooled-1",
+    "pooled-2": "sk-cache-pooled-2",
+    "metered": "sk-cache-metered",
+    "capped": "sk-cache-capped",
+}
+TPM = 100_000
+
+
+def forge_args(**overrides) -> dict:
+    limits = {"metered": {"tpm": TPM}, "capped": {"rpm": 1, "burst_requests": 2}}
+    shared = {"pooled-1", "pooled-2"}
+    tenants = [
+        {
+            "name": name,
+            "key_hashes": [hash_key(key)],
+            "limits": limits.get(name, {}),
+            "cache_scope": "shared" if name in shared else "tenant",
+        }
+        for name, key in KEYS.items()
+    ]
+    pool = {
+        "name": "primary",
+        "model": MODEL,
+        "engine": FAST,
+        "admission": {"max_inflight": 4},
+        "deployment": {"num_replicas": 2},
+        **overrides.pop("pool", {}),
+    }
+    return {
+        "tenants": tenants,
+        "pools": [pool],
+        "fallback": {
+            "base_url": "http://upstream.test/v1",
+            "model": "mock-gemini",
+            "api_key_env": KEY_ENV,
+            "first_token_timeout_s": 5,
+        },
+        "resilience": {"fallback_probe_interval_s": 0.05},
+        **overrides,
+    }
+
+
+@dataclass
+class Rig:
+    gateway: Gateway
+    metrics: RecordingMetrics
+    clients: dict[str, openai.AsyncOpenAI]
+
+    def __getitem__(self, tenant: str) -> openai.AsyncOpenAI:
+        return self.clients[tenant]
+
+    @property
+    def store(self) -> Store:
+        return self.gateway.store
+
+    def replicas(self) -> list:
+        return list(self.gateway.backends["primary"].replicas.values())
+
+    def generated_tokens(self) -> int:
+        return sum(r.stats()["generation_tokens"] for r in self.replicas())
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            transport=httpx.ASGITransport(self.gateway.asgi_app()), base_url="http://forge.test"
+        )
+
+
+@contextlib.asynccontextmanager
+async def running(args: dict, store: Store | None = None) -> AsyncIterator[Rig]:
+    metrics = RecordingMetrics()
+    upstream = httpx.ASGITransport(create_mock_app("mock-gemini", FAST, api_key=UPSTREAM_KEY))
+    gateway = build_local_gateway(
+        load_config(args), store=store, metrics=metrics, fallback_transport=upstream
+    )
+    async with gateway.lifespan(), contextlib.AsyncExitStack() as stack:
+        clients = {}
+        for tenant, key in KEYS.items():
+            http = httpx.AsyncClient(
+                transport=httpx.ASGITransport(gateway.asgi_app()), base_url="http://forge.test"
+            )
+            clients[tenant] = await stack.enter_async_context(
+                openai.AsyncOpenAI(
+                    base_url="http://forge.test/v1", api_key=key, http_client=http, max_retries=0
+                )
+            )
+        yield Rig(gateway, metrics, clients)
+
+
+@pytest.fixture(autouse=True)
+def upstream_key(monkeypatch) -> None:
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    async with running(forge_args()) as rig:
+        yield rig
+
+
+def ask(content: str = "Hello, Forge", **extra) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 6,
+        **extra,
+    }
+
+
+STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+@dataclass
+class Answer:
+    """One chat answer as the client saw it, streamed or not."""
+
+    cache: str
+    backend: str
+    text: str
+    finish_reason: str | None
+    usage: CompletionUsage | None
+    headers: httpx.Headers
+
+
+async def chat(client: openai.AsyncOpenAI, stream: bool = False, **body) -> Answer:
+    body = ask(**body)
+    if not stream:
+        raw = await client.chat.completions.with_raw_response.create(**body)
+        completion = raw.parse()
+        (choice,) = completion.choices
+        return Answer(
+            raw.headers.get("x-forge-cache", ""),
+            raw.headers.get("x-forge-backend", ""),
+            choice.message.content,
+            choice.finish_reason,
+            completion.usage,
+            raw.headers,
+        )
+    raw = await client.chat.completions.with_raw_response.create(**body, **STREAM)
+    chunks = [chunk async for chunk in raw.parse()]
+    choices = [c.choices[0] for c in chunks if c.choices]
+    usages = [c.usage for c in chunks if c.usage is not None]
+    assert len(usages) == 1 and chunks[-1].usage is not None, "one usage chunk, the last"
+    return Answer(
+        raw.headers.get("x-forge-cache", ""),
+        raw.headers.get("x-forge-backend", ""),
+        "".join(c.delta.content or "" for c in choices),
+        next((c.finish_reason for c in choices if c.finish_reason), None),
+        usages[0],
+        raw.headers,
+    )
+
+
+def same_answer(hit: Answer, miss: Answer) -> None:
+    assert miss.text, "the model said something"
+    assert (hit.text, hit.finish_reason) == (miss.text, miss.finish_reason)
+    assert hit.usage == miss.usage
+
+
+async def stored(rig: Rig, more_than: int = 0) -> None:
+    """Until the cache holds more than ``more_than`` bytes of answers."""
+    await eventually_async(
+        lambda: rig.store.cache_bytes > more_than,
+        timeout_s=10,
+        what="an answer kept in the cache",
+        explain=lambda: rig.store.cache_bytes,
+    )
+
+
+async def barrier(rig: Rig, client: openai.AsyncOpenAI) -> None:
+    """Let another, cacheable answer be kept: any store the earlier requests made is done."""
+    before = rig.store.cache_bytes
+    answer = await chat(client, content="a barrier: something else entirely")
+    assert (answer.cache, answer.backend) == ("miss", "primary")
+    await stored(rig, before)
+
+
+# -- hits ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("first", "second"), [(False, False), (True, True)])
+async def test_a_deterministic_repeat_is_a_hit_with_the_same_answer(rig: Rig, first, second):
+    miss = await chat(rig["alpha"], stream=first)
+    assert (miss.cache, miss.backend) == ("miss", "primary")
+    await stored(rig)
+    hit = await chat(rig["alpha"], stream=second)
+    assert (hit.cache, hit.backend) == ("hit", "cache")
+    assert "x-forge-replica" not in hit.headers
+    same_answer(hit, miss)
+    results = [c["result"] for c in rig.metrics.cache.calls]
+    assert results == ["miss", "hit"]
+    assert rig.metrics.cache_hits.calls == [{"tenant": "alpha"}]
+
+
+@pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)])
+async def test_one_entry_answers_both_a_streamed_and_a_non_streamed_repeat(rig: Rig, first, second):
+    miss = await chat(rig["alpha"], stream=first)
+    assert miss.cache == "miss"
+    await stored(rig)
+    hit = await chat(rig["alpha"], stream=second)
+    assert (hit.cache, hit.backend) == ("hit", "cache")
+    same_answer(hit, miss)
+
+
+async def test_a_streamed_hit_without_include_usage_has_no_usage_chunk(rig: Rig):
+    miss = await chat(rig["alpha"])
+    await stored(rig)
+    stream = await rig["alpha"].chat.completions.create(**ask(), stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert all(c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == miss.text
+
+
+async def test_a_text_completion_repeat_is_a_hit_too(rig: Rig):
+    body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0, "max_tokens": 6}
+    client = rig["alpha"]
+    raw = await client.completions.with_raw_response.create(**body)
+    assert raw.headers["x-forge-cache"] == "miss"
+    miss = raw.parse()
+    await stored(rig)
+    raw = await client.completions.with_raw_response.create(**body)
+    hit = raw.parse()
+    assert (raw.headers["x-forge-cache"], raw.headers["x-forge-backend"]) == ("hit", "cache")
+    assert hit.choices[0].text == miss.choices[0].text and hit.usage == miss.usage
+    stream = await client.completions.create(**body, **STREAM)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == miss.choices[0].text
+    assert chunks[-1].usage == miss.usage
+
+
+async def test_a_hit_reaches_no_engine_and_takes_no_admission_slot(rig: Rig):
+    miss = await chat(rig["alpha"])
+    await stored(rig)
+    generated, admitted = rig.generated_tokens(), len(rig.metrics.admitted.calls)
+    assert generated >= miss.usage.completion_tokens and admitted == 1
+    for stream in (False, True):
+        assert (await chat(rig["alpha"], stream=stream)).cache == "hit"
+    assert rig.generated_tokens() == generated
+    assert len(rig.metrics.admitted.calls) == admitted
+
+
+async def test_a_hit_answers_while_a_long_generation_holds_the_pools_only_slot():
+    """Admission has one slot and no queue: a request that needs the pool is refused at once
+    while a hung generation holds it, and a cached answer is served all the same."""
+    args = forge_args(pool={"admission": {"max_inflight": 1, "queue_cap": 0, "keep_warm_s": 0}})
+    async with running(args) as rig:
+        await chat(rig["alpha"])
+        await stored(rig)
+        for replica in rig.replicas():
+            replica.set_fault({"mode": "hang"})
+        async with rig.http() as h:
+            hung = asyncio.create_task(
+                h.post(
+                    "/v1/chat/completions",
+                    json=ask("a long one", temperature=0.7, stream=True),
+                    headers={"authorization": f"Bearer {KEYS['beta']}"},
+                )
+            )
+            try:
+                await eventually_async(
+                    lambda: sum(r.open_streams for r in rig.replicas()) == 1,
+                    timeout_s=10,
+                    what="a generation holding the slot",
+                )
+                with pytest.raises(openai.RateLimitError):
+                    await chat(rig["alpha"], temperature=0.7)  # needs the slot: refused
+                hit = await chat(rig["alpha"])
+                assert (hit.cache, hit.backend) == ("hit", "cache")
+                assert not hung.done()
+            finally:
+                hung.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await hung
+
+
+# -- never a hit -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.7, None])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_sampled_request_is_never_cached(rig: Rig, temperature, stream):
+    extra = {"temperature": temperature} if temperature is not None else {}
+    body = ask(**extra)
+    if temperature is None:
+        del body["temperature"]
+    answers = []
+    for _ in range(2):
+        if stream:
+            raw = await rig["alpha"].chat.completions.with_raw_response.create(**body, **STREAM)
+            assert [c async for c in raw.parse()]
+        else:
+            raw = await rig["alpha"].chat.completions.with_raw_response.create(**body)
+            assert raw.parse().choices[0].message.content
+        answers.append((raw.headers["x-forge-cache"], raw.headers["x-forge-backend"]))
+    assert answers == [("bypass", "primary")] * 2
+    assert rig.store.cache_bytes == 0
+    assert [c["result"] for c in rig.metrics.cache.calls] == ["bypass", "bypass"]
+
+
+async def test_one_tenants_answer_is_never_served_to_another(rig: Rig):
+    alpha = await chat(rig["alpha"])
+    await stored(rig)
+    for stream in (False, True):
+        beta = await chat(rig["beta"], stream=stream)
+        assert (beta.cache, beta.backend) == ("miss", "primary")
+    assert (await chat(rig["alpha"])).cache == "hit"
+    assert (await chat(rig["pooled-1"])).cache == "miss", "shared is not alpha's own scope"
+    assert alpha.text
+
+
+async def test_tenants_that_both_chose_the_shared_scope_share_answers(rig: Rig):
+    first = await chat(rig["pooled-1"])
+    assert first.cache == "miss"
+    await stored(rig)
+    second = await chat(rig["pooled-2"], stream=True)
+    assert (second.cache, second.backend) == ("hit", "cache")
+    same_answer(second, first)
+    assert (await chat(rig["alpha"])).cache == "miss", "a tenant-scoped tenant is not served it"
+    assert rig.metrics.cache_hits.calls == [{"tenant": "pooled-2"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_the_fallback_served_is_never_kept(rig: Rig, stream):
+    for replica in rig.replicas():
+        replica.set_fault({"mode": "error"})
+    served = await chat(rig["alpha"], stream=stream)
+    assert (served.cache, served.backend) == ("miss", "fallback")
+    assert served.text
+    for replica in rig.replicas():
+        replica.set_fault(None)
+    await barrier(rig, rig["alpha"])
+    before = rig.store.cache_bytes
+    again = await chat(rig["alpha"], stream=stream)
+    assert (again.cache, again.backend) == ("miss", "primary"), "not the fallback's answer"
+    await stored(rig, before)
+    assert (await chat(rig["alpha"], stream=stream)).cache == "hit", "the pool's answer is kept"
+
+
+@pytest.mark.parametrize("directive", ["no-cache", "no-store", "No-Cache, max-age=0"])
+async def test_the_clients_no_cache_bypasses_the_cache_both_ways(rig: Rig, directive):
+    headers = {"Cache-Control": directive}
+    first = await chat(rig["alpha"], extra_headers=headers)
+    assert (first.cache, first.backend) == ("bypass", "primary")
+    await barrier(rig, rig["alpha"])
+    before = rig.store.cache_bytes
+    assert (await chat(rig["alpha"])).cache == "miss", "the bypassed answer was not kept"
+    await stored(rig, before)
+    assert (await chat(rig["alpha"])).cache == "hit"
+    again = await chat(rig["alpha"], stream=True, extra_headers=headers)
+    assert (again.cache, again.backend) == ("bypass", "primary"), "nor is a kept one served"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_larger_than_max_entry_bytes_is_served_but_not_kept(stream):
+    async with running(forge_args(cache={"max_entry_bytes": 32})) as rig:
+        answers = [await chat(rig["alpha"], stream=stream) for _ in range(2)]
+        await eventually_async(
+            lambda: rig.metrics.cache_stores.calls == [{"result": "too_large"}] * 2,
+            timeout_s=10,
+            what="both answers refused as too large",
+            explain=lambda: rig.metrics.cache_stores.calls,
+        )
+        assert [(a.cache, a.backend) for a in answers] == [("miss", "primary")] * 2
+        assert all(a.text for a in answers)
+        assert rig.store.cache_bytes == 0
+
+
+# -- the store and the quota -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["down", "guarded-down"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_with_the_store_down_a_cacheable_request_is_served_uncached(wrap, stream):
+    down = DownStore()
+    async with running(forge_args(), store=GuardedStore(down) if wrap else down) as rig:
+        answers = [await chat(rig["alpha"], stream=stream) for _ in range(2)]
+    assert [(a.cache, a.backend) for a in answers] == [("bypass", "primary")] * 2
+    assert all(a.text for a in answers)
+    assert rig.metrics.store_errors.calls.count({"op": "cache_get"}) == 2
+    errors = [c for c in rig.metrics.cache.calls if c["result"] == "error"]
+    assert errors == [{"model": MODEL, "result": "error"}] * 2
+
+
+async def test_a_hit_is_charged_the_cached_usage_against_the_token_budget():
+    store = MemoryStore(clock=Clock(1000.0))  # no refill: every token is accounted for
+    async with running(forge_args(), store=store) as rig:
+        (metered,) = [t for t in rig.gateway.config.tenants if t.name == "metered"]
+        bucket = TenantQuota.of(metered).tokens
+
+        async def charged(expected: int) -> None:
+            level = None
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                (level,) = await store.peek([bucket])
+                if level == TPM - expected:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"tokens charged: {TPM - level}, expected {expected}")
+
+        miss = await chat(rig["metered"])
+        used = miss.usage.prompt_tokens + miss.usage.completion_tokens
+        await stored(rig)
+        await charged(used)
+        hit = await chat(rig["metered"], stream=True)
+        assert hit.cache == "hit" and hit.usage == miss.usage
+        await charged(2 * used)
+        # What the hit reserved up front was the miss's reservation, minus what the miss used.
+        before = int(miss.headers["x-ratelimit-remaining-tokens"])
+        after = int(hit.headers["x-ratelimit-remaining-tokens"])
+        assert before - after == used
+
+
+async def test_a_tenant_out_of_requests_is_refused_even_a_cached_answer(rig: Rig):
+    miss = await chat(rig["capped"])
+    await stored(rig)
+    hit = await chat(rig["capped"])  # its burst is two requests
+    assert (miss.cache, hit.cache) == ("miss", "hit")
+    async with rig.http() as h:
+        refused = await h.post(
+            "/v1/chat/completions",
+            json=ask(),
+            headers={"authorization": f"Bearer {KEYS['capped']}"},
+        )
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    assert "x-forge-cache" not in refused.headers, "quota ran first: the cache never looked"
+    assert rig.metrics.cache_hits.calls == [{"tenant": "capped"}]
+    with pytest.raises(openai.RateLimitError):
+        await chat(rig["capped"], stream=True)
