@@ -61,6 +61,10 @@ class TenantConfig(_Strict):
     key_hashes: list[str] = Field(default_factory=list)
     weight: Annotated[float, Field(gt=0)] = 1.0
     limits: TenantLimits = TenantLimits()
+    # Whose cached answers this tenant may be served: its own only ("tenant"), or those of every
+    # tenant that also chose "shared" (same prompts, same model, one answer: cheaper, but a
+    # tenant can then tell what another asked before).
+    cache_scope: Literal["tenant", "shared"] = "tenant"
 
     @field_validator("key_hashes")
     @classmethod
@@ -244,6 +248,16 @@ class PoolConfig(_Strict):
     # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
 
+    def engine_identity(self) -> str:
+        """What the pool's answers depend on besides the request: the weights and their
+        revision for vLLM, the whole engine config for the simulator. Part of every cache key,
+        so a new model or revision never replays the old one's answers."""
+        engine = self.engine
+        if isinstance(engine, VLLMEngineConfig):
+            revision = engine.engine_args.get("revision") or ""
+            return f"vllm:{engine.model}@{revision}:{engine.engine_args.get('quantization') or ''}"
+        return "simulated:" + engine.model_dump_json()
+
 
 class FallbackConfig(_Strict):
     """An external OpenAI-compatible backend (Gemini in production, the mock on a laptop)."""
@@ -285,6 +299,55 @@ class FallbackConfig(_Strict):
         if self.auth != "api_key" and self.api_key_env:
             raise ValueError(f"api_key_env is only used with auth 'api_key', not {self.auth!r}")
         return self
+
+
+class CacheConfig(_Strict):
+    """The response cache (``serve_app/cache.py``): deterministic answers, replayed per tenant."""
+
+    enabled: bool = True
+    ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+    # An answer larger than this is served but not kept.
+    max_entry_bytes: Annotated[int, Field(gt=0)] = 256 * 1024
+    # The embedded store's total for cached answers (least recently used go first); Redis is
+    # bounded by its own maxmemory policy.
+    max_memory_bytes: Annotated[int, Field(gt=0)] = 64 * 1024 * 1024
+
+
+class ModelPrice(_Strict):
+    """What a model's tokens cost, per million: what ``forge usage`` multiplies by."""
+
+    prompt_per_million: Annotated[float, Field(ge=0)] = 0.0
+    completion_per_million: Annotated[float, Field(ge=0)] = 0.0
+    # Tokens answered from the cache; by default free (nothing was generated).
+    cached_per_million: Annotated[float, Field(ge=0)] = 0.0
+
+
+class MeteringConfig(_Strict):
+    """Usage per tenant, model and day, kept in the store (``serve_app/metering.py``)."""
+
+    enabled: bool = True
+    # How long a day's counts are kept: long enough for a year's invoices and their disputes.
+    retention_days: Annotated[int, Field(gt=0, le=3660)] = 400
+    currency: str = "USD"
+    prices: dict[str, ModelPrice] = Field(default_factory=dict)  # served model name → price
+
+
+class AdminConfig(_Strict):
+    """Operators' keys for ``/admin/*`` (kept as SHA-256 digests, like tenants' keys)."""
+
+    key_hashes: list[str] = Field(default_factory=list)
+    # A mounted secret with more: YAML or JSON ``[sha256, ...]``.
+    key_hashes_file: str | None = None
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _hex_digests(cls, hashes: list[str]) -> list[str]:
+        if not all(is_key_hash(h) for h in hashes):
+            raise ValueError(
+                "each admin key hash must be a lowercase SHA-256 hex digest (64 chars); "
+                "run `forge keys new --tenant admin` to make one"
+            )
+        return hashes
 
 
 class StoreConfig(_Strict):
@@ -347,6 +410,9 @@ class ForgeConfig(_Strict):
     fallback: FallbackConfig | None = None
     resilience: ResilienceConfig = ResilienceConfig()
     tracing: TracingConfig = TracingConfig()
+    cache: CacheConfig = CacheConfig()
+    metering: MeteringConfig = MeteringConfig()
+    admin: AdminConfig = AdminConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> ForgeConfig:
@@ -375,6 +441,8 @@ class ForgeConfig(_Strict):
         hashes = [h for t in self.tenants for h in t.key_hashes]
         if len(hashes) != len(set(hashes)):
             raise ValueError("tenants: one key hash is listed for two tenants")
+        if set(hashes) & set(self.admin.key_hashes):
+            raise ValueError("admin.key_hashes: a tenant's key must not be an admin key too")
         return self
 
 

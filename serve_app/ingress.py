@@ -47,7 +47,11 @@ class GatewayIngress(Gateway):
         forge = ForgeConfig.model_validate(config)
         metrics = ForgeMetrics()
         # Fails start-up, with the variable's name, if Redis is configured but unresolvable.
-        store = build_store(forge.store, on_state=lambda s: metrics.store_state.set(int(s)))
+        store = build_store(
+            forge.store,
+            max_cache_bytes=forge.cache.max_memory_bytes,
+            on_state=lambda s: metrics.store_state.set(int(s)),
+        )
         breakers = BreakerClient(
             ServeBoard(board),
             forge.resilience.sync_interval_s,

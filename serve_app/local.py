@@ -61,7 +61,11 @@ def build_local_gateway(
     tracer = tracer or tracer_for(config.tracing, "forge-gateway")
     metrics = metrics or ForgeMetrics()
     if store is None:
-        store = build_store(config.store, on_state=lambda s: metrics.store_state.set(int(s)))
+        store = build_store(
+            config.store,
+            max_cache_bytes=config.cache.max_memory_bytes,
+            on_state=lambda s: metrics.store_state.set(int(s)),
+        )
     board = board or BreakerBoard(breaker_settings(config.resilience.breaker))
     breakers = BreakerClient(board, config.resilience.sync_interval_s)
     backends: dict[str, Backend] = {}

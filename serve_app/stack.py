@@ -8,13 +8,14 @@ tracing on, a root span opens before all of them, ``stages/trace.py``):
 1. request id: every log line, backend call and response carries it;
 2. telemetry, right after it: every outcome, a 401 included, is logged and counted once;
 3. auth: anonymous traffic costs a hash and never touches the store;
-4. parse: the body is read under its limit and validated only for a known tenant;
-5. quota: a tenant out of budget is out even for an answer that would be cached;
-6. (the response cache goes here: a hit costs no slot and no backend);
-7. fair admission: a slot of the pool, only for requests that will reach it;
-8. dispatch: a backend past its breaker, one retry before the first byte; its ``usage`` settles
-   the quota and is counted by telemetry when the response ends (metering per tenant and day,
-   kept in the store, is the stage still to come after dispatch).
+4. metering: it records when the response ends, what dispatch or the cache answered (the
+   design's last step), and sits here so a tenant's 400s and 429s are counted too;
+5. parse: the body is read under its limit and validated only for a known tenant;
+6. quota: a tenant out of budget is out even for an answer that would be cached;
+7. cache: a hit costs no slot and no backend;
+8. fair admission: a slot of the pool, only for requests that will reach it;
+9. dispatch: a backend past its breaker, one retry before the first byte; its ``usage`` settles
+   the quota and is metered when the response ends.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from opentelemetry.trace import Tracer
 from serve_app.auth import KeyRing
 from serve_app.backends.base import Backend
 from serve_app.config import AdmissionConfig, ForgeConfig
+from serve_app.metering import UsageLedger
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
@@ -36,7 +38,9 @@ from serve_app.scheduler import tenant_cap
 from serve_app.scheduler_client import SchedulerClient
 from serve_app.stages.admission import AdmissionStage
 from serve_app.stages.authenticate import AuthStage
+from serve_app.stages.cache import CachedPool, CacheStage
 from serve_app.stages.dispatch import Dispatch
+from serve_app.stages.meter import MeterStage
 from serve_app.stages.parse import ParseStage
 from serve_app.stages.quota import QuotaStage
 from serve_app.stages.request_id import RequestIdStage
@@ -73,14 +77,19 @@ def build_pipeline(
     *,
     routes: Mapping[str, Sequence[Backend]],
     list_models: Handler,
+    ledger: UsageLedger | None = None,
 ) -> Pipeline:
-    """The request path. ``routes``: model → its backends in order of preference; with
-    ``parts.tracer``, a root span first and a span per stage."""
+    """The request path. ``routes``: model → its backends in order of preference; ``ledger``
+    keeps usage per tenant and day (None: Prometheus only); with ``parts.tracer``, a root span
+    first and a span per stage."""
     metrics, schedulers, tracer = parts.metrics, parts.schedulers, parts.tracer
     front: list[Stage] = [RequestIdStage(), TelemetryStage(metrics), AuthStage(parts.keyring)]
     admitted = [p for p in config.pools if p.admission is not None and p.name in schedulers]
+    if not config.metering.enabled:
+        ledger = None
     stages: list[Stage] = [
         *front,
+        MeterStage(ledger, metrics),
         ParseStage(config.gateway.max_body_bytes),
         QuotaStage(
             parts.store,
@@ -88,6 +97,7 @@ def build_pipeline(
             config.tenants,
             {p.model: p.default_max_tokens for p in config.pools},
         ),
+        *cache_stage(config, parts),
         AdmissionStage(
             {p.model: warm_slots(schedulers[p.name], p.admission) for p in admitted},
             {p.model: p.admission.deadline_s for p in admitted},
@@ -107,6 +117,14 @@ def build_pipeline(
     inference = compose(stages, traced_endpoint(dispatch, tracer, "forge.dispatch"), tracer)
     listing = compose(front, list_models, tracer)
     return Pipeline(compose([root], inference), compose([root], listing), tuple(stages))
+
+
+def cache_stage(config: ForgeConfig, parts: Collaborators) -> list[Stage]:
+    """The response cache, when on, for the pools' models."""
+    if not config.cache.enabled:
+        return []
+    pools = {p.model: CachedPool(p.name, p.engine_identity()) for p in config.pools}
+    return [CacheStage(parts.store, parts.metrics, config.cache, pools)]
 
 
 def warm_slots(client: SchedulerClient, admission: AdmissionConfig) -> WarmSlots:

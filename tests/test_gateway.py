@@ -19,6 +19,8 @@ from serve_app.mock_openai import create_mock_app
 from serve_app.resilience.board import BreakerBoard
 from serve_app.stages.admission import AdmissionStage
 from serve_app.stages.authenticate import AuthStage
+from serve_app.stages.cache import CacheStage
+from serve_app.stages.meter import MeterStage
 from serve_app.stages.parse import ParseStage
 from serve_app.stages.quota import QuotaStage
 from serve_app.stages.request_id import RequestIdStage
@@ -100,8 +102,10 @@ def test_one_function_lists_the_stages_in_the_designs_order(gateway: Gateway):
         RequestIdStage,
         TelemetryStage,
         AuthStage,
+        MeterStage,
         ParseStage,
         QuotaStage,
+        CacheStage,
         AdmissionStage,
     ]
 
