@@ -1,4 +1,5 @@
-"""API keys → tenants. Keys exist only as SHA-256 digests; comparison is constant-time."""
+"""API keys → tenants, and operators' admin keys. Keys exist only as SHA-256 digests;
+comparison is constant-time."""
 
 from __future__ import annotations
 
@@ -47,18 +48,48 @@ class KeyRing:
 
     def tenant_for(self, authorization: str | None) -> TenantConfig:
         """The tenant for an ``Authorization`` header value; 401 on anything else."""
-        if not authorization:
-            raise errors.invalid_api_key("Missing API key: send 'Authorization: Bearer <key>'.")
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise errors.invalid_api_key("Malformed Authorization header: expected 'Bearer <key>'.")
-        digest = hash_key(token)
+        digest = hash_key(bearer_token(authorization))
         stored, tenant = self._by_hash.get(digest, (_NO_MATCH, None))
         # Compare even on a miss so a miss costs what a hit costs.
         if not hmac.compare_digest(digest, stored) or tenant is None:
             raise errors.invalid_api_key("Incorrect API key provided.")
         return tenant
+
+
+class AdminKeys:
+    """Operators' keys, held as SHA-256 digests only and compared in constant time, like
+    tenants' keys: the config's ``admin.key_hashes`` and those of its mounted
+    ``admin.key_hashes_file`` (a YAML or JSON list), so admin keys rotate with a secret."""
+
+    def __init__(self, hashes: Iterable[str]) -> None:
+        self._hashes = {h: h for h in hashes}
+
+    @classmethod
+    def from_config(cls, config: ForgeConfig) -> AdminKeys:
+        hashes = list(config.admin.key_hashes)
+        if config.admin.key_hashes_file:
+            hashes += load_admin_hashes_file(config.admin.key_hashes_file)
+        tenants = {h for t in config.tenants for h in t.key_hashes}
+        if tenants & set(hashes):
+            raise ValueError("admin.key_hashes_file: a tenant's key must not be an admin key too")
+        return cls(hashes)
+
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether the header carries an admin key; a 401 when it carries no bearer token."""
+        digest = hash_key(bearer_token(authorization))
+        stored = self._hashes.get(digest, _NO_MATCH)
+        return hmac.compare_digest(digest, stored) and stored != _NO_MATCH
+
+
+def bearer_token(authorization: str | None) -> str:
+    """The token of ``Bearer <token>``; a 401 for anything else."""
+    if not authorization:
+        raise errors.invalid_api_key("Missing API key: send 'Authorization: Bearer <key>'.")
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise errors.invalid_api_key("Malformed Authorization header: expected 'Bearer <key>'.")
+    return token
 
 
 def load_key_hashes_file(path: str, tenant_names: Iterable[str]) -> dict[str, list[str]]:
@@ -81,3 +112,14 @@ def load_key_hashes_file(path: str, tenant_names: Iterable[str]) -> dict[str, li
             raise ValueError(f"{path}: {tenant}: expected a list of SHA-256 hex digests")
         result[tenant] = hashes
     return result
+
+
+def load_admin_hashes_file(path: str) -> list[str]:
+    """Read ``[sha256, ...]`` (admin keys) from a mounted secret, YAML or JSON."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or []
+    if not isinstance(data, list) or not all(is_key_hash(h) for h in data):
+        raise ValueError(f"{path}: expected a list of SHA-256 hex digests (admin keys)")
+    return data

@@ -104,6 +104,46 @@ def payload_too_large(limit: int) -> ForgeError:
     )
 
 
+def admin_key_required() -> ForgeError:
+    return ForgeError(
+        403,
+        "This route needs an admin key; a tenant's API key cannot use it.",
+        type="permission_error",
+        code="admin_key_required",
+    )
+
+
+def tenant_key_required() -> ForgeError:
+    return ForgeError(
+        403,
+        "/v1/usage reports the calling tenant's usage, and an admin key has no tenant: "
+        "use /admin/usage (with ?tenant=NAME for one tenant).",
+        type="permission_error",
+        code="tenant_key_required",
+    )
+
+
+def tenant_not_found(name: str) -> ForgeError:
+    return ForgeError(
+        404,
+        f"No tenant named {name!r}.",
+        type="invalid_request_error",
+        code="tenant_not_found",
+        param="tenant",
+    )
+
+
+def unavailable(what: str, code: str) -> ForgeError:
+    """An admin route's dependency (the usage store, the breaker board) did not answer."""
+    return ForgeError(
+        503,
+        f"{what} unavailable; try again shortly.",
+        type="api_error",
+        code=code,
+        headers={"retry-after": "1"},
+    )
+
+
 def rate_limited(message: str, *, kind: str, headers: dict[str, str]) -> ForgeError:
     # OpenAI's 429s name the exhausted limit in ``type`` ("requests", "tokens").
     return ForgeError(429, message, type=kind, code="rate_limit_exceeded", headers=headers)

@@ -24,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from serve_app import errors
+from serve_app.admin_api import build_admin_api, http_error
 from serve_app.config import ForgeConfig
+from serve_app.metering import UsageLedger
 from serve_app.pipeline import RequestContext
 from serve_app.resilience.breaker import State
 from serve_app.resilience.health import HealthWatch
@@ -53,9 +54,13 @@ class Gateway:
             if fallback is not None
             else None
         )
+        self.keyring = parts.keyring
         routes = model_routes(config, self.backends)
         self.models = list(routes)
-        self.pipeline = build_pipeline(config, parts, routes=routes, list_models=self._list_models)
+        self.ledger = UsageLedger(parts.store, config.metering.retention_days)
+        self.pipeline = build_pipeline(
+            config, parts, routes=routes, list_models=self._list_models, ledger=self.ledger
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -92,7 +97,15 @@ class Gateway:
     # -- HTTP --------------------------------------------------------------------------------
 
     def asgi_app(self) -> Starlette:
-        return Starlette(
+        """The inference routes on plain Starlette (the hot path pays for no FastAPI), and the
+        usage/admin API (``serve_app/admin_api.py``, with ``/openapi.json`` and ``/docs``) for
+        every path they do not match.
+
+        The admin app is the router's default, not a ``Mount("")``: a catch-all mount is a full
+        match, which beats a route's partial (path-only) match, so ``GET /v1/chat/completions``
+        would become the admin app's 404 instead of the 405 it is.
+        """
+        app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -100,9 +113,11 @@ class Gateway:
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
             ],
-            exception_handlers={HTTPException: _http_error},
+            exception_handlers={HTTPException: http_error},
             lifespan=self.lifespan,
         )
+        app.router.default = build_admin_api(self.config, self.keyring, self.ledger, self.breakers)
+        return app
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.pipeline.inference(RequestContext(request, "chat"))
@@ -138,12 +153,3 @@ class Gateway:
             {"id": m, "object": "model", "created": 0, "owned_by": "forge"} for m in self.models
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)
-
-
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    if exc.status_code == 405:
-        return errors.error_response(errors.method_not_allowed(request.method, request.url.path))
-    if exc.status_code == 404:
-        return errors.error_response(errors.not_found(request.url.path))
-    err = errors.ForgeError(exc.status_code, str(exc.detail), type="invalid_request_error")
-    return errors.error_response(err)

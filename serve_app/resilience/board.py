@@ -38,6 +38,14 @@ class BoardPort(Protocol):
         """The probe decision (an ``Admit`` value) for a backend past its cool-down."""
         ...
 
+    async def describe(self) -> dict[str, dict]:
+        """Every breaker the board knows, for operators (``GET /admin/breakers``)."""
+        ...
+
+    async def reset(self, backend: str | None = None) -> Snapshot:
+        """Close one breaker, or all; every non-closed state back."""
+        ...
+
 
 _FORGET_AFTER_S = 600.0  # a replica's breaker nobody reported on for this long is gone
 
@@ -187,3 +195,9 @@ class ServeBoard:
 
     async def admit(self, backend: str) -> tuple[str, Snapshot]:
         return await self._handle.admit.remote(backend)
+
+    async def describe(self) -> dict[str, dict]:
+        return await self._handle.describe.remote()
+
+    async def reset(self, backend: str | None = None) -> Snapshot:
+        return await self._handle.reset.remote(backend)

@@ -132,6 +132,25 @@ class BreakerClient:
             return  # the reports are dropped: stale outcomes are worth less than a hung queue
         self._apply(snapshot)
 
+    # -- operators ---------------------------------------------------------------------------
+
+    async def describe(self) -> dict[str, dict]:
+        """The board's view of every breaker (``BreakerBoard.describe``); raises when the board
+        cannot be reached (an operator must not mistake "unknown" for "all closed")."""
+        if self._board is None:
+            return {}
+        return await asyncio.wait_for(self._board.describe(), _BOARD_TIMEOUT_S)
+
+    async def reset(self, backend: str | None = None) -> dict[str, dict]:
+        """Close one breaker on the board, or all, and take its states at once: this replica
+        routes to the backend from the next request, not the next sync. Other replicas hear
+        of it on their next sync. Returns the board's new ``describe``."""
+        if self._board is None:
+            return {}
+        snapshot = await asyncio.wait_for(self._board.reset(backend), _BOARD_TIMEOUT_S)
+        self._apply(snapshot)
+        return await self.describe()
+
     def _apply(self, snapshot: Snapshot) -> None:
         now = self._clock()
         self._states = {

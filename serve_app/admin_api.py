@@ -1,0 +1,332 @@
+"""The usage and admin API: FastAPI beside the lean inference routes, and the gateway's schema.
+
+Inference stays on plain Starlette routes (``serve_app/gateway.py``): the hot path pays for no
+dependency injection or response-model validation. What is here is read rarely and wants a typed,
+documented surface instead:
+
+- ``GET /v1/usage`` (a tenant's key): that tenant's own usage;
+- ``GET /admin/usage`` (an admin key): every tenant's, with the configured prices;
+- ``GET /admin/breakers`` and ``POST /admin/breakers/reset`` (an admin key): the breaker board;
+- ``GET /openapi.json`` and ``/docs``: the schema of every route the gateway serves, the
+  inference routes included (merged in from the wire types of ``serve_app/protocol.py``).
+
+Every failure is OpenAI-shaped through ``serve_app/errors.py``, FastAPI's own included: a bad
+query value is a 400 that names the parameter (never FastAPI's 422 body), an unknown path a 404,
+a wrong method a 405, an unreachable store a 503.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from serve_app import errors, metering
+from serve_app.auth import AdminKeys, KeyRing
+from serve_app.config import ForgeConfig, ModelPrice, TenantConfig
+from serve_app.metering import UsageLedger
+from serve_app.openapi import BEARER, ErrorResponse, with_inference_routes
+from serve_app.resilience.client import BreakerClient
+from serve_app.store import StoreError
+
+logger = logging.getLogger("ray.serve")
+
+_DAY_FORMAT = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+# -- wire types (also the schema's components) ------------------------------------------------
+
+
+class UsageErrors(BaseModel):
+    """Failed requests by class (``metering.error_class``)."""
+
+    invalid: int = 0
+    rate_limited: int = 0
+    upstream: int = 0
+    disconnected: int = 0
+    truncated: int = 0
+
+
+class UsageLine(BaseModel):
+    """A tenant's usage of one model on one day, or over the whole range (``date`` null)."""
+
+    tenant: str
+    model: str
+    date: dt.date | None
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_requests: int = 0
+    cached_tokens: int = 0
+    fallback_requests: int = 0
+    estimated_requests: int = Field(
+        0, description="Requests whose tokens are the gateway's estimate: no backend said."
+    )
+    errors: UsageErrors = UsageErrors()
+
+
+class UsageReport(BaseModel):
+    object: Literal["usage.report"] = "usage.report"
+    start: dt.date
+    end: dt.date
+    group: Literal["day", "total"]
+    data: list[UsageLine]
+
+
+class AdminUsageReport(UsageReport):
+    """Every tenant's usage, with what the configured prices need to cost it."""
+
+    currency: str
+    prices: dict[str, ModelPrice] = Field(description="Per served model; absent: unpriced.")
+
+
+class BreakerView(BaseModel):
+    state: Literal["closed", "half_open", "open"]
+    retry_in_s: float
+    consecutive_failures: int
+    transitions: int
+    probes: int
+    probes_per_half_open: list[int]
+
+
+class BreakerReset(BaseModel):
+    backend: str | None = Field(
+        None, description="primary, primary/<replica> or fallback; absent: every breaker."
+    )
+
+
+# -- who may call what -----------------------------------------------------------------------
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name=BEARER,
+    description="A tenant's API key (inference, /v1/usage) or an admin key (/admin/*).",
+)
+# Declared so the schema shows the bearer scheme on each route; the header is read raw below, so
+# a missing, malformed or unknown key is worded as the inference routes word it.
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+async def require_admin(request: Request, _: Credentials) -> None:
+    """An admin key passes; a tenant's key is a 403; anything else a 401."""
+    authorization = request.headers.get("authorization")
+    if request.app.state.admin_keys.is_admin(authorization):
+        return
+    request.app.state.keyring.tenant_for(authorization)  # an unknown key: 401
+    raise errors.admin_key_required()
+
+
+async def require_tenant(request: Request, _: Credentials) -> TenantConfig:
+    """The caller's tenant; an admin key is a 403 (it has none); anything else a 401."""
+    authorization = request.headers.get("authorization")
+    if request.app.state.admin_keys.is_admin(authorization):
+        raise errors.tenant_key_required()
+    return request.app.state.keyring.tenant_for(authorization)
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+_DAY = {"json_schema_extra": {"format": "date"}, "examples": ["2025-01-31"]}
+StartDay = Annotated[str | None, Query(description="first day, YYYY-MM-DD (UTC); today", **_DAY)]
+EndDay = Annotated[str | None, Query(description="last day, YYYY-MM-DD (UTC); today", **_DAY)]
+ModelFilter = Annotated[str | None, Query(description="only this served model")]
+Grouping = Annotated[Literal["day", "total"], Query(description="a row per day, or per range")]
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+def build_admin_api(
+    config: ForgeConfig, keyring: KeyRing, ledger: UsageLedger, breakers: BreakerClient
+) -> FastAPI:
+    """The usage and admin routes, and ``/openapi.json`` for the whole gateway."""
+    tenants = {t.name: t for t in config.tenants}
+    app = FastAPI(
+        title="Forge",
+        version="0.1.0",
+        description=(
+            "An OpenAI-compatible LLM gateway. Errors are OpenAI-shaped: "
+            '`{"error": {"message", "type", "code", "param"}}`.'
+        ),
+        redoc_url=None,
+        exception_handlers={
+            HTTPException: http_error,
+            RequestValidationError: _validation_error,
+            errors.ForgeError: _forge_error,
+            StoreError: _store_error,
+        },
+        responses=_errors(401, 403),
+    )
+
+    @app.get(
+        "/v1/usage",
+        response_model=UsageReport,
+        tags=["usage"],
+        operation_id="tenant_usage",
+        responses=_errors(400, 503),
+    )
+    async def usage(
+        tenant: Annotated[TenantConfig, Depends(require_tenant)],
+        start: StartDay = None,
+        end: EndDay = None,
+        model: ModelFilter = None,
+        group: Grouping = "day",
+    ) -> UsageReport:
+        """The calling tenant's usage per model and day (or summed over the range)."""
+        first, last = report_range(start, end)
+        rows = await ledger.read([tenant.name], first, last, model=model, by_day=group == "day")
+        return UsageReport(start=first, end=last, group=group, data=lines(rows))
+
+    @app.get(
+        "/admin/usage",
+        operation_id="admin_usage",
+        response_model=AdminUsageReport,
+        tags=["admin"],
+        responses=_errors(400, 404, 503),
+        dependencies=[Depends(require_admin)],
+    )
+    async def admin_usage(
+        start: StartDay = None,
+        end: EndDay = None,
+        tenant: Annotated[str | None, Query(description="only this tenant")] = None,
+        model: ModelFilter = None,
+        group: Grouping = "day",
+    ) -> AdminUsageReport:
+        """Every tenant's usage per model and day (or summed over the range), with prices."""
+        if tenant is not None and tenant not in tenants:
+            raise errors.tenant_not_found(tenant)
+        first, last = report_range(start, end)
+        names = [tenant] if tenant is not None else list(tenants)
+        rows = await ledger.read(names, first, last, model=model, by_day=group == "day")
+        return AdminUsageReport(
+            start=first,
+            end=last,
+            group=group,
+            data=lines(rows),
+            currency=config.metering.currency,
+            prices=dict(config.metering.prices),
+        )
+
+    @app.get(
+        "/admin/breakers",
+        operation_id="describe_breakers",
+        response_model=dict[str, BreakerView],
+        tags=["admin"],
+        responses=_errors(503),
+        dependencies=[Depends(require_admin)],
+    )
+    async def describe_breakers() -> dict[str, dict]:
+        """Every breaker the board knows (a closed one nobody failed may be absent)."""
+        try:
+            return await breakers.describe()
+        except Exception as exc:
+            logger.warning("breaker board describe failed: %r", exc)
+            raise errors.unavailable("Breaker board", "board_unavailable") from exc
+
+    @app.post(
+        "/admin/breakers/reset",
+        operation_id="reset_breakers",
+        response_model=dict[str, BreakerView],
+        tags=["admin"],
+        responses=_errors(503),
+        dependencies=[Depends(require_admin)],
+    )
+    async def reset_breakers(
+        body: Annotated[BreakerReset | None, Body()] = None,
+    ) -> dict[str, dict]:
+        """Close one breaker, or every one; the board's breakers afterwards."""
+        try:
+            return await breakers.reset(body.backend if body else None)
+        except Exception as exc:
+            logger.warning("breaker board reset failed: %r", exc)
+            raise errors.unavailable("Breaker board", "board_unavailable") from exc
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            app.openapi_schema = with_inference_routes(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.state.admin_keys = AdminKeys.from_config(config)
+    app.state.keyring = keyring
+    return app
+
+
+def report_range(start: str | None, end: str | None) -> tuple[dt.date, dt.date]:
+    """The report's first and last day (today UTC by default); a 400 naming the bad one."""
+    today = dt.datetime.now(dt.UTC).date()
+    first = parse_day(start, "start") if start is not None else today
+    last = parse_day(end, "end") if end is not None else today
+    try:
+        metering.date_range(first, last)
+    except ValueError as exc:
+        message = f"Invalid range: start {first}, end {last}: {exc}."
+        raise errors.invalid_request(message, param="end" if last < first else "start") from exc
+    return first, last
+
+
+def parse_day(value: str, param: str) -> dt.date:
+    try:
+        if not _DAY_FORMAT.match(value):
+            raise ValueError(value)
+        return dt.date.fromisoformat(value)
+    except ValueError:
+        raise errors.invalid_request(
+            f"Invalid {param} {value!r}: expected a date as YYYY-MM-DD.", param=param
+        ) from None
+
+
+def lines(rows: Iterable[metering.UsageRow]) -> list[UsageLine]:
+    return [UsageLine.model_validate(row.as_dict()) for row in rows]
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's and FastAPI's own 404/405 (and any ``HTTPException``), OpenAI-shaped."""
+    headers = dict(exc.headers or {})  # a 405's Allow
+    if exc.status_code == 405:
+        err = errors.method_not_allowed(request.method, request.url.path)
+    elif exc.status_code == 404:
+        err = errors.not_found(request.url.path)
+    else:
+        err = errors.ForgeError(exc.status_code, str(exc.detail), type="invalid_request_error")
+    return errors.error_response(err, headers)
+
+
+async def _forge_error(request: Request, exc: errors.ForgeError) -> Response:
+    return errors.error_response(exc)
+
+
+async def _store_error(request: Request, exc: StoreError) -> Response:
+    logger.warning("usage report failed: %r", exc)
+    return errors.error_response(errors.unavailable("Usage store", "store_unavailable"))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """FastAPI's 422 as the 400 the rest of the gateway answers, naming the parameter."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    where, *path = first.get("loc") or ("body",)
+    if where == "body" and first.get("type") == "json_invalid":
+        path = []
+    param = ".".join(str(p) for p in path) or str(where)
+    message = f"Invalid value for {param!r}: {first.get('msg')}."
+    return errors.error_response(errors.invalid_request(message, param=param))

@@ -1,0 +1,172 @@
+"""The gateway's OpenAPI schema: FastAPI renders the usage and admin routes; the inference
+routes, which are plain Starlette routes, are added here from the wire types themselves
+(``serve_app/protocol.py``), so the schema describes exactly what the gateway validates."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
+
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+
+SCHEMA_REF = "#/components/schemas/{model}"
+BEARER = "bearer"  # the security scheme's name in the schema
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the gateway answers, as OpenAI shapes it."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    ready: bool
+    backends: dict[str, bool]
+
+
+def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's schema of the admin routes, plus the Starlette inference routes (request bodies
+    from the wire types themselves, so the schema cannot drift from what is validated), and
+    400s in place of the 422s FastAPI documents but this gateway never answers."""
+    components = schema.setdefault("components", {})
+    models = components.setdefault("schemas", {})
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", _error_ref("Invalid request"))
+    for unused in ("HTTPValidationError", "ValidationError"):
+        models.pop(unused, None)
+    for model in (ErrorResponse, ModelList, Health, Readiness):
+        add_component(models, model, mode="serialization")
+    components.setdefault("securitySchemes", {})[BEARER] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "A tenant's API key (inference, /v1/usage) or an admin key (/admin/*).",
+    }
+    security = [{BEARER: []}]
+    failures = {
+        "400": _error_ref("Invalid request: the message names the parameter"),
+        "401": _error_ref("Missing, malformed or unknown API key"),
+        "404": _error_ref("Unknown model"),
+        "413": _error_ref("Request body too large"),
+        "429": _error_ref("Over a rate limit, or the tenant's queue is full (see Retry-After)"),
+        "502": _error_ref("The backend failed"),
+        "503": _error_ref("No backend available"),
+        "504": _error_ref("The backend timed out"),
+    }
+    paths: dict[str, Any] = {}
+    for path, model, kind in (
+        ("/v1/chat/completions", ChatCompletionRequest, "chat.completion"),
+        ("/v1/completions", CompletionRequest, "text_completion"),
+    ):
+        paths[path] = {
+            "post": {
+                "tags": ["inference"],
+                "summary": f"Create a {kind}",
+                "operationId": f"create_{kind.replace('.', '_')}",
+                "security": security,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": add_component(models, model)}},
+                },
+                "responses": {
+                    "200": {
+                        "description": (
+                            f"A {kind} object, or with stream: true an SSE stream of "
+                            f"{kind} chunks ending with data: [DONE]"
+                        ),
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **failures,
+                },
+            }
+        }
+    paths["/v1/models"] = {
+        "get": {
+            "tags": ["inference"],
+            "summary": "List the served models",
+            "operationId": "list_models",
+            "security": security,
+            "responses": {
+                "200": _json_ref("The served models", ModelList),
+                "401": failures["401"],
+            },
+        }
+    }
+    paths["/healthz"] = {
+        "get": {
+            "tags": ["health"],
+            "summary": "Liveness: the gateway answers",
+            "operationId": "healthz",
+            "security": [],
+            "responses": {"200": _json_ref("Alive", Health)},
+        }
+    }
+    paths["/readyz"] = {
+        "get": {
+            "tags": ["health"],
+            "summary": "Readiness: some backend can serve",
+            "operationId": "readyz",
+            "security": [],
+            "responses": {
+                "200": _json_ref("Ready", Readiness),
+                "503": _json_ref("No backend can serve", Readiness),
+            },
+        }
+    }
+    schema["paths"] = {**paths, **schema.get("paths", {})}  # inference first, as served
+    return schema
+
+
+def add_component(
+    components: dict[str, Any], model: type[BaseModel], *, mode: JsonSchemaMode = "validation"
+) -> dict[str, str]:
+    """Put a model's JSON schema and its ``$defs`` among the components; a ``$ref`` to it.
+
+    A request body's schema must be the model's own (a name taken by another schema is an
+    error); a response model FastAPI already rendered for the admin routes is kept as rendered.
+    """
+    schema = model.model_json_schema(ref_template=SCHEMA_REF, mode=mode)
+    for name, sub in {**schema.pop("$defs", {}), model.__name__: schema}.items():
+        kept = components.setdefault(name, sub)
+        if mode == "validation" and kept != sub:
+            raise ValueError(f"two different schemas are both named {name!r}")
+    return {"$ref": SCHEMA_REF.format(model=model.__name__)}
+
+
+def _error_ref(description: str) -> dict[str, Any]:
+    return _json_ref(description, ErrorResponse)
+
+
+def _json_ref(description: str, model: type[BaseModel]) -> dict[str, Any]:
+    ref = {"$ref": SCHEMA_REF.format(model=model.__name__)}
+    return {"description": description, "content": {"application/json": {"schema": ref}}}
