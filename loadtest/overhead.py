@@ -635,8 +635,9 @@ def main() -> None:
         "--pipelines",
         nargs="+",
         default=["full"],
-        choices=["full", "quota", "bare"],
-        help="which stages run: all, all but admission, neither quota nor admission",
+        choices=["full", "unmetered", "quota", "bare"],
+        help="which stages run: all; all but metering and the cache; all but admission; "
+        "neither quota nor admission",
     )
     parser.add_argument(
         "--side-by-side",

@@ -19,16 +19,21 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 BENCH_KEY = "sk-bench-local-only"
 
 
-PIPELINES = ("full", "quota", "bare")
+PIPELINES = ("full", "unmetered", "quota", "bare")
 
 
 def forge_args(engine: dict, replicas: int, redis_url: str | None, pipeline: str = "full") -> dict:
     """``full``: every stage on, with a metered tenant (budgets too large to bite) and fair
-    admission; ``quota``: no admission; ``bare``: no budgets and no admission either."""
+    admission; ``unmetered``: all that but the usage records and the response cache (the
+    pipeline before them); ``quota``: no admission; ``bare``: no budgets and no admission
+    either."""
     limits = {"rpm": 10**7, "tpm": 10**9, "max_concurrent_streams": 10**4}
     admission = {"max_inflight": 4096, "queue_cap": 4096}
+    usage = pipeline not in ("unmetered", "bare")
     return {
         "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
+        "cache": {"enabled": usage},
+        "metering": {"enabled": usage},
         "store": {"redis_url": redis_url, "key_prefix": "forge-bench:"},
         "tenants": [
             {
@@ -42,7 +47,7 @@ def forge_args(engine: dict, replicas: int, redis_url: str | None, pipeline: str
                 "name": "primary",
                 "model": "forge-sim",
                 "engine": engine,
-                "admission": admission if pipeline == "full" else None,
+                "admission": admission if pipeline in ("full", "unmetered") else None,
                 "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
             }
         ],

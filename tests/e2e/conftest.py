@@ -20,6 +20,9 @@ APP = "forge"
 ALPHA_KEY = "sk-test-alpha"
 BETA_KEY = "sk-test-beta"
 FALLBACK_KEY = "sk-test-upstream-secret"
+ADMIN_KEY = "sk-test-admin"
+METERED_POOL = "metered"  # its replicas and the mock fallback serve only the metering test
+METERED_TENANT = "meter"
 
 
 def _sha(key: str) -> str:
@@ -38,6 +41,7 @@ LIMITED_TENANTS = {
     "abandon": {"tpm": 60, "burst_tokens": 100_000},
     "streams": {"max_concurrent_streams": 2},
     "outage": {"rpm": 1, "burst_requests": 3},
+    METERED_TENANT: {"tpm": 10_000_000},
 }
 ROUTED_POLICIES = ("prefix_affinity", "kv_aware")
 # Tenants of the fair-admission pool: one floods, one is light.
@@ -60,6 +64,7 @@ def forge_args(port: int, redis_url: str | None) -> dict:
     return {
         "gateway": {"max_body_bytes": 64 * 1024, "deployment": gateway},
         "store": {"redis_url": redis_url, "key_prefix": "forge-e2e:"},
+        "admin": {"key_hashes": [_sha(ADMIN_KEY)]},
         "tenants": [
             {"name": "alpha", "key_hashes": [_sha(ALPHA_KEY)]},
             {"name": "beta", "key_hashes": [_sha(BETA_KEY)]},
@@ -77,6 +82,14 @@ def forge_args(port: int, redis_url: str | None) -> dict:
                 # Bursts of 50 streams on 2 cores busy with the whole suite can take seconds
                 # to be assigned; a connect timeout is not what the tests on this pool test.
                 "connect_timeout_s": 15.0,
+                "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
+            },
+            {
+                # Metering's ground truth: two replicas nobody else sends to, and the fallback.
+                "name": METERED_POOL,
+                "model": "forge-metered",
+                "engine": fast,
+                "routing": {"policy": "round_robin"},
                 "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
             },
             {

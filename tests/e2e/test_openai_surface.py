@@ -99,6 +99,7 @@ def test_models_lists_pools_and_fallback(openai_client):
         "forge-fair",
         "forge-prefix-affinity",
         "forge-kv-aware",
+        "forge-metered",
         "mock-gemini",
     }
 
