@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import orjson
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from serve_app.cache import CachedAnswer, bypass_reason, cache_key
 from serve_app.config import CacheConfig
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext, on_response_end
+from serve_app.pipeline import EventStream, Handler, RequestContext, on_response_end
 from serve_app.stages.store_failures import StoreFailures
 from serve_app.store import Store, StoreError
 
@@ -104,9 +104,10 @@ class CacheStage:
             body = orjson.dumps(answer.response(ctx.request_id))
             return Response(body, media_type="application/json", headers=headers)
         frames = answer.frames(ctx.request_id, ctx.parsed.include_usage)
-        return StreamingResponse(
+        # An EventStream, as dispatch's: its end is seen however the client leaves.
+        return EventStream(
             _replay(frames),
-            media_type="text/event-stream",
+            close_source=_nothing,
             headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
         )
 
@@ -146,3 +147,7 @@ class CacheStage:
 async def _replay(frames: list[bytes]) -> AsyncIterator[bytes]:
     for frame in frames:
         yield frame
+
+
+async def _nothing() -> None:
+    """A replayed answer has no generation to abort."""
