@@ -328,6 +328,9 @@ class MeteringConfig(_Strict):
     enabled: bool = True
     # How long a day's counts are kept: long enough for a year's invoices and their disputes.
     retention_days: Annotated[int, Field(gt=0, le=3660)] = 400
+    # How often a gateway replica writes its queued usage (one store call per tenant and day):
+    # a report lags by about this much, and a replica that dies loses at most this much.
+    flush_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     currency: str = "USD"
     prices: dict[str, ModelPrice] = Field(default_factory=dict)  # served model name → price
 
@@ -361,6 +364,8 @@ class StoreConfig(_Strict):
     key_prefix: str = "forge:"
     # Per call: the store is on the request path and fails open, so slow means gone.
     timeout_s: Annotated[float, Field(gt=0)] = 0.05
+    # Off the request path (usage writes, usage reports), a slow reply is worth waiting for.
+    background_timeout_s: Annotated[float, Field(gt=0)] = 1.0
     # When a store that stops answering is skipped (each call failing at once, served
     # unmetered) and how soon one call probes it again (``store/guarded.py``).
     breaker: BreakerConfig = BreakerConfig(failure_threshold=3, cooldown_s=1.0, probe_timeout_s=5.0)

@@ -31,6 +31,7 @@ from serve_app.pipeline import RequestContext
 from serve_app.resilience.breaker import State
 from serve_app.resilience.health import HealthWatch
 from serve_app.stack import Collaborators, build_pipeline, model_routes
+from serve_app.stages.store_failures import StoreFailures
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,7 +58,13 @@ class Gateway:
         self.keyring = parts.keyring
         routes = model_routes(config, self.backends)
         self.models = list(routes)
-        self.ledger = UsageLedger(parts.store, config.metering.retention_days)
+        store_failed = StoreFailures(parts.metrics, "usage kept queued, retried")
+        self.ledger = UsageLedger(
+            parts.usage_store or parts.store,
+            config.metering.retention_days,
+            flush_s=config.metering.flush_s,
+            on_error=lambda exc: store_failed("meter", exc),
+        )
         self.pipeline = build_pipeline(
             config, parts, routes=routes, list_models=self._list_models, ledger=self.ledger
         )
@@ -83,8 +90,9 @@ class Gateway:
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
-        with contextlib.suppress(Exception):
-            await self.store.close()
+        for store in {id(s): s for s in (self.store, self.ledger.store)}.values():
+            with contextlib.suppress(Exception):
+                await store.close()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette | None = None) -> AsyncIterator[None]:

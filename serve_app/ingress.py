@@ -67,6 +67,9 @@ class GatewayIngress(Gateway):
             )
         if forge.fallback is not None:
             backends["fallback"] = FallbackBackend(forge.fallback)  # a missing key stops start-up
+        usage_store = store
+        if forge.store.shared:  # Redis: its own connections, with a patient timeout
+            usage_store = build_store(forge.store, timeout_s=forge.store.background_timeout_s)
         parts = Collaborators(
             keyring=KeyRing.from_config(forge),
             store=store,
@@ -75,6 +78,7 @@ class GatewayIngress(Gateway):
             schedulers={name: ServeSchedulerClient(h) for name, h in schedulers.items()},
             breakers=breakers,
             tracer=tracer_for(forge.tracing, "forge-gateway"),
+            usage_store=usage_store,
         )
         super().__init__(forge, parts)
 

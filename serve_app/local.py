@@ -60,6 +60,9 @@ def build_local_gateway(
     """
     tracer = tracer or tracer_for(config.tracing, "forge-gateway")
     metrics = metrics or ForgeMetrics()
+    usage_store = None  # a store handed in serves usage too
+    if store is None and config.store.shared:
+        usage_store = build_store(config.store, timeout_s=config.store.background_timeout_s)
     if store is None:
         store = build_store(
             config.store,
@@ -86,7 +89,14 @@ def build_local_gateway(
         if pool.admission is not None
     }
     parts = Collaborators(
-        KeyRing.from_config(config), store, metrics, backends, schedulers, breakers, tracer
+        KeyRing.from_config(config),
+        store,
+        metrics,
+        backends,
+        schedulers,
+        breakers,
+        tracer,
+        usage_store,
     )
     return Gateway(config, parts)
 

@@ -14,13 +14,15 @@ tenants come from the config, so a report reads known keys and never scans the k
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
-from collections.abc import Iterable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from serve_app import tokenizer
 from serve_app.protocol import prompt_text
-from serve_app.store import Store
+from serve_app.store import Store, StoreError
 
 # Counters of a day, per model. ``prompt_tokens``/``completion_tokens`` are what the backends
 # processed; a cache hit's tokens are ``cached_tokens`` (nothing was generated for them).
@@ -133,17 +135,90 @@ def date_range(start: dt.date, end: dt.date) -> list[str]:
 
 
 class UsageLedger:
-    """Writes records to the store and reads reports back."""
+    """Writes records to the store (batched, retried, each batch applied exactly once) and
+    reads reports back.
 
-    def __init__(self, store: Store, retention_days: int) -> None:
+    Records are merged per tenant and day in memory and written every ``flush_s`` (one store
+    call per tenant-day, not per request). A write that fails stays queued, with its id, and is
+    retried until the store takes it: a timeout that was in fact applied is not applied again
+    (``Store.add_counts(once=...)``), and nothing is lost to a store that is slow or down for a
+    while, only delayed. Memory stays bounded by tenants x days, whatever the outage's length.
+    Only a gateway that dies with writes still queued loses them (at most ``flush_s`` of usage
+    while the store is up).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        retention_days: int,
+        *,
+        flush_s: float = 1.0,
+        on_error: Callable[[StoreError], None] | None = None,
+    ) -> None:
         self.store = store
         self.ttl_s = retention_days * 86_400.0
+        self.flush_s = flush_s
+        self.on_error = on_error
+        self._pending: dict[str, dict[str, int]] = {}  # key → field → count, not yet sent
+        self._unconfirmed: dict[str, tuple[str, dict[str, int]]] = {}  # key → (id, counts)
+        self._flusher: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    def add(self, record: UsageRecord) -> None:
+        """Queue a record (no store call here); the flusher writes it within ``flush_s``."""
+        fields = record.fields()
+        if not fields:
+            return
+        pending = self._pending.setdefault(usage_key(record.tenant, record.day), {})
+        for name, value in fields.items():
+            pending[name] = pending.get(name, 0) + value
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_soon())
 
     async def record(self, record: UsageRecord) -> None:
-        """Raises ``StoreError`` (the caller counts it; the request was served)."""
-        counts = record.fields()
-        if counts:
-            await self.store.add_counts(usage_key(record.tenant, record.day), counts, self.ttl_s)
+        """Queue a record and write it now (tests, tools). Raises ``StoreError``."""
+        self.add(record)
+        await self.flush(raise_errors=True)
+
+    @property
+    def queued(self) -> int:
+        """Tenant-days with counts not yet confirmed by the store."""
+        return len(self._pending.keys() | self._unconfirmed.keys())
+
+    async def _flush_soon(self) -> None:
+        while self._pending or self._unconfirmed:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    async def flush(self, *, raise_errors: bool = False) -> None:
+        """Send what is queued; a write that fails stays queued for the next flush."""
+        async with self._lock:
+            # A write keeps its id and counts until the store confirms it (a retry must be the
+            # same write); counts of a key whose write is unconfirmed wait for the next one.
+            for key in list(self._pending):
+                if key not in self._unconfirmed:
+                    self._unconfirmed[key] = (uuid.uuid4().hex, self._pending.pop(key))
+            for key, (once, counts) in list(self._unconfirmed.items()):
+                try:
+                    await self.store.add_counts(key, counts, self.ttl_s, once=once)
+                except StoreError as exc:
+                    if self.on_error is not None:
+                        self.on_error(exc)
+                    if raise_errors:
+                        raise
+                    return  # the store is struggling: the rest waits for the next flush
+                del self._unconfirmed[key]
+
+    async def aclose(self, timeout_s: float = 2.0) -> None:
+        """Write what is queued before the gateway goes (retrying for up to ``timeout_s``)."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        loop = asyncio.get_running_loop()
+        while (self._pending or self._unconfirmed) and loop.time() < deadline:
+            await self.flush()
+            if self._pending or self._unconfirmed:
+                await asyncio.sleep(min(0.2, self.flush_s))
 
     async def read(
         self,

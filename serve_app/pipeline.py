@@ -117,13 +117,20 @@ class EventStream(StreamingResponse):
 
     async def _end(self) -> None:
         try:
-            await self._close_source()  # a generation nobody will read is aborted
+            # A generation nobody will read is aborted. Bounded: what follows must happen.
+            await asyncio.wait_for(self._close_source(), _CLOSE_SOURCE_S)
         except Exception:
             logger.exception("closing a stream's source failed")
-        callbacks, self._end_callbacks = self._end_callbacks, []
-        _run_all(callbacks, self._completed)
+        finally:
+            # However closing went (a cancellation included), the stages' end-of-response work
+            # runs: the slot is released, the quota settled, the request metered.
+            callbacks, self._end_callbacks = self._end_callbacks, []
+            _run_all(callbacks, self._completed)
 
 
+# Closing a stream's source (the abort, and the replica's count of what it generated) is given
+# this long before the end-of-response work goes ahead without it.
+_CLOSE_SOURCE_S = 10.0
 # Streams' endings still running after their request was cancelled (kept from the collector).
 _ending: set[asyncio.Future] = set()
 

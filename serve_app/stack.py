@@ -62,6 +62,9 @@ class Collaborators:
     schedulers: Mapping[str, SchedulerClient]  # pool name → its scheduler (admission pools)
     breakers: BreakerClient
     tracer: Tracer | None = None  # None: nothing traced, nothing added to the path
+    # Usage writes and reports, off the request path: the store with a patient timeout (None:
+    # ``store`` itself, as the embedded store is).
+    usage_store: Store | None = None
 
 
 @dataclass(frozen=True, slots=True)

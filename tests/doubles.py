@@ -177,7 +177,7 @@ class DownStore(Store):
     async def cache_put(self, key, value, ttl_s) -> None:
         self._fail()
 
-    async def add_counts(self, key, counts, ttl_s) -> None:
+    async def add_counts(self, key, counts, ttl_s, *, once=None) -> bool:
         self._fail()
 
     async def read_counts(self, keys) -> list[dict[str, int]]:

@@ -23,7 +23,7 @@ from serve_app.metering import (
 )
 from serve_app.mock_openai import create_mock_app
 from serve_app.stages.meter import usage_record
-from serve_app.store import MemoryStore
+from serve_app.store import MemoryStore, StoreError, StoreUnavailable
 from tests.backends.loopback import serve_on_loopback
 from tests.doubles import DownStore, RecordingMetrics, make_ctx
 from tests.polling import eventually_async
@@ -123,6 +123,57 @@ async def test_usage_is_kept_for_the_retention_period_and_no_longer():
     assert await store.read_counts([usage_key("t", "2026-11-30")]) == [{"requests|m": 1}]
     now[0] = 2 * 86_400 + 1
     assert await store.read_counts([usage_key("t", "2026-11-30")]) == [{}]
+
+
+class TimesOutAfterWriting(MemoryStore):
+    """A store whose first ``fails`` writes are applied but answer a timeout: the worst case
+    for a retry (was it applied or not?)."""
+
+    def __init__(self, fails: int) -> None:
+        super().__init__()
+        self.fails = fails
+        self.errors: list[StoreError] = []
+
+    async def add_counts(self, key, counts, ttl_s, *, once=None) -> bool:
+        applied = await super().add_counts(key, counts, ttl_s, once=once)
+        if self.fails > 0:
+            self.fails -= 1
+            raise StoreUnavailable("timed out (after applying the write)")
+        return applied
+
+
+async def test_a_write_that_timed_out_is_retried_and_counted_once():
+    store = TimesOutAfterWriting(fails=2)
+    ledger = UsageLedger(store, retention_days=1, flush_s=0.01, on_error=store.errors.append)
+    ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1, "prompt_tokens": 5}))
+    ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1, "prompt_tokens": 7}))
+    for _ in range(300):
+        if not ledger.queued:
+            break
+        await asyncio.sleep(0.01)
+    assert len(store.errors) == 2
+    rows = await ledger.read(["t"], dt.date(2026, 11, 30), dt.date(2026, 11, 30))
+    assert totals(rows) == {"requests": 2, "prompt_tokens": 12}
+
+
+async def test_records_that_arrive_during_an_unconfirmed_write_are_kept_apart():
+    store = TimesOutAfterWriting(fails=1)
+    ledger = UsageLedger(store, retention_days=1, flush_s=60, on_error=store.errors.append)
+    ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1}))
+    await ledger.flush()  # applied, but the answer was a timeout: it stays unconfirmed
+    ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 10}))
+    await ledger.flush()  # the retry of the first write (a repeat: adds nothing)
+    await ledger.flush()  # then the second
+    rows = await ledger.read(["t"], dt.date(2026, 11, 30), dt.date(2026, 11, 30))
+    assert totals(rows) == {"requests": 11} and ledger.queued == 0
+
+
+async def test_a_closing_gateway_writes_what_it_queued():
+    store = MemoryStore()
+    ledger = UsageLedger(store, retention_days=1, flush_s=60)
+    ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 3}))
+    await ledger.aclose()
+    assert await store.read_counts([usage_key("t", "2026-11-30")]) == [{"requests|m": 3}]
 
 
 def test_a_reversed_or_overlong_range_is_refused():
@@ -273,7 +324,7 @@ async def test_refusals_are_metered_as_errors_of_their_class(served):
     assert used["errors_rate_limited"] == 1 and used["errors_invalid"] == 1
 
 
-async def test_with_the_store_down_requests_are_served_and_the_loss_is_counted(
+async def test_with_the_store_down_requests_are_served_and_the_failed_write_counted(
     monkeypatch, upstream_app
 ):
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)

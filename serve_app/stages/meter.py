@@ -2,10 +2,11 @@
 
 The design lists metering last because it records what dispatch (or the cache) answered; it
 sits right after auth in the stage list so it also sees what the later stages refuse (a 400, a
-429 from quota or admission) and counts it as an error of its class. The record is written to
-the store off the request path; a store that fails loses the day's counts for that request
-(counted in ``forge_store_errors_total{op="meter"}``), never the request. The Prometheus
-counters take the same record, so the two agree.
+429 from quota or admission) and counts it as an error of its class. The record goes to the
+ledger, which writes it to the store off the request path, batched and retried until the store
+takes it (``metering.UsageLedger``): a slow or absent store delays usage, it does not lose it
+(failed writes are counted in ``forge_store_errors_total{op="meter"}``). The Prometheus counters
+take the same record, so the two agree.
 """
 
 from __future__ import annotations
@@ -19,16 +20,12 @@ from serve_app import errors
 from serve_app.metering import UsageLedger, UsageRecord, charged_tokens, day_of, error_class
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, final_status, on_response_end
-from serve_app.stages.store_failures import StoreFailures
-from serve_app.store import StoreError
 
 
 class MeterStage:
     def __init__(self, ledger: UsageLedger | None, metrics: ForgeMetrics) -> None:
         self.ledger = ledger  # None: metering off (Prometheus only)
         self.metrics = metrics
-        self._writing: set[asyncio.Task] = set()
-        self._store_failed = StoreFailures(metrics, "usage not kept")
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         try:
@@ -50,20 +47,12 @@ class MeterStage:
         record = usage_record(ctx, status, day_of(time.time()))
         self.metrics.meter(record)
         if self.ledger is not None:
-            task = asyncio.get_running_loop().create_task(self._write(record))
-            self._writing.add(task)
-            task.add_done_callback(self._writing.discard)
-
-    async def _write(self, record: UsageRecord) -> None:
-        try:
-            await self.ledger.record(record)
-        except StoreError as exc:
-            self._store_failed("meter", exc)
+            self.ledger.add(record)
 
     async def aclose(self) -> None:
         """Let the last records reach the store before the replica goes."""
-        if self._writing:
-            await asyncio.wait(set(self._writing), timeout=2.0)
+        if self.ledger is not None:
+            await self.ledger.aclose()
 
 
 def usage_record(ctx: RequestContext, status: int, day: str) -> UsageRecord:

@@ -36,6 +36,11 @@ MAX_COUNT = 2**63 - 1
 MIN_BUCKET_TTL_S = 5.0
 MAX_BUCKET_TTL_S = 86_400.0
 
+# How long ``add_counts(once=...)`` remembers an id: longer than a write stays unconfirmed in
+# any outage worth riding out, short enough that the ids of a busy day (one per tenant-day and
+# flush) stay a few hundred kB.
+ONCE_TTL_S = 3600.0
+
 
 class StoreError(Exception):
     """The store failed (unreachable, timed out, script or type error). The caller fails open."""
@@ -174,11 +179,17 @@ class Store(ABC):
         ``SET`` does). The embedded store may drop it early to stay within its size cap."""
 
     @abstractmethod
-    async def add_counts(self, key: str, counts: Mapping[str, int], ttl_s: float) -> None:
+    async def add_counts(
+        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
+    ) -> bool:
         """Atomically add each int of ``counts`` to its field of the hash ``key`` (creating
         either), and expire the key ``ttl_s`` from now, in one round trip: replicas metering one
         tenant at once must not lose an increment. Zero counts may be skipped; an empty mapping
-        is a no-op. Non-int values (or bools, or beyond 64 bits) raise ``ValueError``."""
+        is a no-op. Non-int values (or bools, or beyond 64 bits) raise ``ValueError``.
+
+        ``once``: an id that makes the call idempotent for ``ONCE_TTL_S``: a second call with
+        it adds nothing and returns False. A write that timed out may have been applied, so a
+        retry must carry the first try's id. Returns whether the counts were added."""
 
     @abstractmethod
     async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:

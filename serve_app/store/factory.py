@@ -17,6 +17,7 @@ def build_store(
     config: StoreConfig,
     *,
     max_cache_bytes: int = 64 * 1024 * 1024,
+    timeout_s: float | None = None,
     on_state: Callable[[State], None] | None = None,
 ) -> Store:
     """A guarded ``RedisStore`` (connected lazily) when Redis is configured, else a
@@ -25,10 +26,13 @@ def build_store(
 
     ``timeout_s`` bounds each Redis connect and reply: the store is on the request path and fails
     open, so it should cost a request milliseconds, not seconds, when Redis is slow or gone; and
-    once it is known gone, nothing (``GuardedStore``).
+    once it is known gone, nothing (``GuardedStore``). A store for work off the request path
+    (usage) passes a longer ``timeout_s``.
     """
     url = config.resolved_url()
     if not url:
         return MemoryStore(max_cache_bytes=max_cache_bytes)
-    redis = RedisStore.from_url(url, key_prefix=config.key_prefix, timeout_s=config.timeout_s)
+    redis = RedisStore.from_url(
+        url, key_prefix=config.key_prefix, timeout_s=timeout_s or config.timeout_s
+    )
     return GuardedStore(redis, breaker_settings(config.breaker), on_state=on_state)

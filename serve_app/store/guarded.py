@@ -100,8 +100,12 @@ class GuardedStore(Store):
     async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
         await self._call("cache_put", lambda: self.store.cache_put(key, value, ttl_s))
 
-    async def add_counts(self, key: str, counts: Mapping[str, int], ttl_s: float) -> None:
-        await self._call("add_counts", lambda: self.store.add_counts(key, counts, ttl_s))
+    async def add_counts(
+        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
+    ) -> bool:
+        return await self._call(
+            "add_counts", lambda: self.store.add_counts(key, counts, ttl_s, once=once)
+        )
 
     async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
         return await self._call("read_counts", lambda: self.store.read_counts(keys))

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from serve_app.store.base import (
     MAX_COUNT,
+    ONCE_TTL_S,
     Bucket,
     Store,
     StoreError,
@@ -33,7 +34,7 @@ from serve_app.store.base import (
     retry_after,
 )
 
-Kind = Literal["bucket", "lease", "cache", "counts"]
+Kind = Literal["bucket", "lease", "cache", "counts", "once"]
 
 DEFAULT_MAX_CACHE_BYTES = 64 * 1024 * 1024
 
@@ -257,13 +258,18 @@ class MemoryStore(Store):
 
     # -- counts -----------------------------------------------------------------------------
 
-    async def add_counts(self, key: str, counts: Mapping[str, int], ttl_s: float) -> None:
+    async def add_counts(
+        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
+    ) -> bool:
         check_counts(counts)
         check_ttl(ttl_s)
         deltas = {field: value for field, value in counts.items() if value}
         if not deltas:
-            return
+            return True
         now = self._clock()
+        seen = None if once is None else f"{key}:once:{once}"
+        if seen is not None and self._live(seen, "once", now) is not None:
+            return False
         entry = self._live(key, "counts", now)
         fields: dict[str, int] = {} if entry is None else entry.value
         totals = {field: fields.get(field, 0) + value for field, value in deltas.items()}
@@ -272,6 +278,9 @@ class MemoryStore(Store):
             raise StoreError(f"key {key!r}: a count would overflow 64 bits")
         fields.update(totals)
         self._put(key, "counts", fields, now + ttl_s, now)
+        if seen is not None:
+            self._put(seen, "once", True, now + ONCE_TTL_S, now)
+        return True
 
     async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
         now = self._clock()

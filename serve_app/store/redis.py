@@ -35,6 +35,7 @@ from serve_app.store.base import (
     EPSILON,
     MAX_BUCKET_TTL_S,
     MIN_BUCKET_TTL_S,
+    ONCE_TTL_S,
     Bucket,
     Store,
     StoreError,
@@ -164,14 +165,16 @@ return 1
 """
 )
 
-# KEYS[1]: counts hash. ARGV: ttl_ms, then (field, delta) per field. Deltas stay strings, so
-# HINCRBY sees every digit (a Lua number is a double).
+# KEYS[1]: counts hash; KEYS[2], if given: the call's once-key (set NX: a repeat adds nothing).
+# ARGV: ttl_ms, once_ttl_ms, then (field, delta) per field. Deltas stay strings, so HINCRBY sees
+# every digit (a Lua number is a double). Returns 1 if the counts were added, 0 for a repeat.
 _ADD_COUNTS_LUA = """
-for i = 2, #ARGV, 2 do
+if KEYS[2] and not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then return 0 end
+for i = 3, #ARGV, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 0
+return 1
 """
 
 # What redis-py's BlockingConnectionPool raises when no pooled connection frees up in time.
@@ -317,17 +320,22 @@ class RedisStore(Store):
 
     # -- counts -----------------------------------------------------------------------------
 
-    async def add_counts(self, key: str, counts: Mapping[str, int], ttl_s: float) -> None:
+    async def add_counts(
+        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
+    ) -> bool:
         check_counts(counts)
         check_ttl(ttl_s)
-        args: list[str | int] = [_ms(ttl_s)]
+        args: list[str | int] = [_ms(ttl_s), _ms(ONCE_TTL_S)]
         for field, value in counts.items():
             if value:
                 args += [field, value]
-        if len(args) == 1:
-            return
+        if len(args) == 2:
+            return True
+        keys = [self._key(key)]
+        if once is not None:
+            keys.append(self._key(f"{key}:once:{once}"))  # the key's {hash tag}: one slot
         with self._failures("add_counts"):
-            await self._add_counts(keys=[self._key(key)], args=args)
+            return bool(await self._add_counts(keys=keys, args=args))
 
     async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
         if not keys:

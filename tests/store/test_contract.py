@@ -215,6 +215,25 @@ async def test_add_counts_accumulates_across_calls_and_fields(store: Store) -> N
     assert counts == {"requests": 2, "tokens": 80, "cached": 3}
 
 
+async def test_counts_added_once_are_added_once_however_often_retried(store: Store) -> None:
+    """A write that timed out may have been applied: its retry carries the same id."""
+    assert await store.add_counts("usage:once", {"requests": 2}, 10, once="batch-1") is True
+    assert await store.add_counts("usage:once", {"requests": 2}, 10, once="batch-1") is False
+    assert await store.add_counts("usage:once", {"requests": 5}, 10, once="batch-2") is True
+    assert await store.add_counts("usage:once", {"requests": 1}, 10) is True  # no id: always
+    assert await store.read_counts(["usage:once"]) == [{"requests": 8}]
+    # An id is per key: the same id on another key is another write.
+    assert await store.add_counts("usage:other", {"requests": 1}, 10, once="batch-1") is True
+
+
+async def test_concurrent_retries_of_one_write_add_it_once(store: Store) -> None:
+    results = await asyncio.gather(
+        *(store.add_counts("usage:race", {"n": 1}, 10, once="same") for _ in range(20))
+    )
+    assert results.count(True) == 1
+    assert await store.read_counts(["usage:race"]) == [{"n": 1}]
+
+
 async def test_empty_counts_are_a_no_op(store: Store) -> None:
     await store.add_counts("usage:t", {}, 10)
     assert await store.read_counts(["usage:t"]) == [{}]

@@ -1,0 +1,52 @@
+"""The admin API on the real graph: keys, the breaker board over its Serve handle, the schema."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ADMIN_KEY, ALPHA_KEY, BREAKER_THRESHOLD
+from tests.polling import eventually
+
+pytestmark = pytest.mark.e2e
+
+
+def test_admin_routes_take_an_admin_key_only(forge_url):
+    for key, status in ((None, 401), ("sk-wrong", 401), (ALPHA_KEY, 403), (ADMIN_KEY, 200)):
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        answer = httpx.get(f"{forge_url}/admin/breakers", headers=headers, timeout=10)
+        assert answer.status_code == status, answer.text
+        if status != 200:
+            assert set(answer.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_breakers_are_read_and_reset_through_the_board_deployment(forge_url, faults):
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    faults.set_all("pool-chaos", {"mode": "error"})
+    for _ in range(BREAKER_THRESHOLD + 1):  # each fails over to the fallback; the pool opens
+        httpx.post(
+            f"{forge_url}/v1/chat/completions",
+            json={"model": "forge-chaos", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {ALPHA_KEY}"},
+            timeout=30,
+        )
+    faults.set_all("pool-chaos", None)
+
+    def chaos_state() -> str | None:
+        states = httpx.get(f"{forge_url}/admin/breakers", headers=admin, timeout=10).json()
+        return states.get("chaos", {}).get("state")
+
+    eventually(lambda: chaos_state() == "open", timeout_s=10, what="the chaos pool's breaker open")
+    reset = httpx.post(
+        f"{forge_url}/admin/breakers/reset", json={"backend": "chaos"}, headers=admin, timeout=10
+    )
+    assert reset.status_code == 200, reset.text
+    # A closed breaker with no failures since is one the board no longer needs to list.
+    assert reset.json().get("chaos", {"state": "closed"})["state"] == "closed"
+    assert chaos_state() in (None, "closed")
+
+
+def test_the_schema_lists_the_inference_and_admin_routes(forge_url):
+    paths = httpx.get(f"{forge_url}/openapi.json", timeout=10).json()["paths"]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage"} <= set(paths)
+    assert {"/admin/usage", "/admin/breakers", "/admin/breakers/reset"} <= set(paths)
