@@ -1,0 +1,78 @@
+output "cluster_name" {
+  description = "GKE cluster name."
+  value       = module.gke.name
+}
+
+output "cluster_location" {
+  description = "GKE cluster location (a zone unless regional_cluster)."
+  value       = module.gke.location
+}
+
+output "get_credentials_command" {
+  description = "kubectl access through the control plane's IAM-checked DNS endpoint."
+  value       = "gcloud container clusters get-credentials ${module.gke.name} --location ${module.gke.location} --project ${var.project_id} --dns-endpoint"
+}
+
+output "artifact_registry" {
+  description = "Image prefix for docker push/pull: <region>-docker.pkg.dev/<project>/<repository>."
+  value       = "${google_artifact_registry_repository.images.location}-docker.pkg.dev/${var.project_id}/${google_artifact_registry_repository.images.repository_id}"
+}
+
+output "forge_service_account" {
+  description = "Google service account of the Forge pods; annotate their Kubernetes service account with iam.gke.io/gcp-service-account set to this."
+  value       = google_service_account.forge.email
+}
+
+output "kubernetes_service_account" {
+  description = "Namespace and name of the Kubernetes service account the Forge pods must run as."
+  value = {
+    namespace = var.kubernetes_namespace
+    name      = var.kubernetes_service_account
+  }
+}
+
+output "secrets" {
+  description = "Secret Manager secret IDs by role, for the chart's SecretProviderClass."
+  value       = { for k, s in google_secret_manager_secret.forge : k => s.secret_id }
+}
+
+output "redis_host" {
+  description = "Memorystore's private IP."
+  value       = google_redis_instance.forge.host
+}
+
+output "redis_port" {
+  description = "Memorystore's TLS port."
+  value       = google_redis_instance.forge.port
+}
+
+output "redis_url" {
+  description = "FORGE_REDIS_URL (rediss://, with the AUTH string): also in the forge-redis-url secret, which is what the pods read."
+  value       = local.redis_url
+  sensitive   = true
+}
+
+output "vertex_ai_base_url" {
+  description = "OpenAI-compatible Vertex AI endpoint of this project and region, for the fallback's base_url (configs/gke.yaml)."
+  value       = "https://${var.region}-aiplatform.googleapis.com/v1/projects/${var.project_id}/locations/${var.region}/endpoints/openapi"
+}
+
+output "gpu_node_pool" {
+  description = "Node selector and taint of the spot T4 pool, for the chart's GPU worker group."
+  value       = module.gke.gpu_node_pool
+}
+
+output "cpu_node_pool" {
+  description = "Node selector of the CPU pool, for the chart's head and gateway groups."
+  value       = module.gke.cpu_node_pool
+}
+
+output "ci_workload_identity_provider" {
+  description = "GitHub Actions secret/variable for google-github-actions/auth: workload_identity_provider."
+  value       = module.ci_identity.workload_identity_provider
+}
+
+output "ci_service_account" {
+  description = "GitHub Actions secret/variable for google-github-actions/auth: service_account."
+  value       = module.ci_identity.service_account_email
+}

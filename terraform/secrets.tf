@@ -1,0 +1,50 @@
+# Secret Manager holds what the Forge pods mount at /etc/forge/keys/ (the GKE Secret Manager
+# add-on, through the pods' workload identity). Terraform creates the secrets, never a value
+# from git: an operator adds the human-made versions (README.md, "Secrets"); the Redis URL and
+# CA are written here from Memorystore's own attributes.
+locals {
+  forge_secrets = {
+    # Only if the fallback uses an API key (Gemini's OpenAI-compatible endpoint on AI Studio):
+    # on Vertex AI (configs/gke.yaml, auth: gcp_metadata) the pods need no key at all.
+    "gemini-api-key"    = "Gemini API key, for a fallback that uses one instead of Vertex AI's workload identity."
+    "tenant-key-hashes" = "Tenants' API key hashes, {tenant: [sha256 hex]} YAML (key-hashes.yaml)."
+    "admin-key-hashes"  = "Operators' /admin key hashes (admin-key-hashes.yaml)."
+    "redis-url"         = "FORGE_REDIS_URL: Memorystore with AUTH and TLS (written by Terraform)."
+    "redis-ca"          = "Memorystore's server CA certificate (PEM), for the TLS in redis-url (written by Terraform)."
+  }
+}
+
+resource "google_secret_manager_secret" "forge" {
+  for_each = local.forge_secrets
+
+  secret_id = "forge-${each.key}"
+  labels    = local.labels
+  annotations = {
+    description = each.value
+  }
+
+  replication {
+    auto {}
+  }
+
+  depends_on = [google_project_service.apis]
+}
+
+# The Forge pods read them; nothing else in the cluster can.
+resource "google_secret_manager_secret_iam_member" "forge_reads" {
+  for_each = google_secret_manager_secret.forge
+
+  secret_id = each.value.id
+  role      = "roles/secretmanager.secretAccessor"
+  member    = "serviceAccount:${google_service_account.forge.email}"
+}
+
+resource "google_secret_manager_secret_version" "redis_url" {
+  secret      = google_secret_manager_secret.forge["redis-url"].id
+  secret_data = local.redis_url
+}
+
+resource "google_secret_manager_secret_version" "redis_ca" {
+  secret      = google_secret_manager_secret.forge["redis-ca"].id
+  secret_data = google_redis_instance.forge.server_ca_certs[0].cert
+}

@@ -1,0 +1,470 @@
+"""terraform/, offline: formatted, checkov-clean, and shaped as the design says.
+
+``init``/``validate``/``plan`` need the provider registry and a project, so none of them runs
+here. What does: ``terraform fmt -check`` (where the binary exists), checkov's Terraform checks,
+and assertions over the HCL parsed by python-hcl2 8.x. Each check is also fed a broken copy of
+the tree (a small rewrite of one file) and must catch it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.conftest import ROOT, Tools
+
+TERRAFORM = ROOT / "terraform"
+GKE = "modules/gke/main.tf"
+CI_IDENTITY = "modules/ci_identity/main.tf"
+GPU_POOL = 'resource "google_container_node_pool" "gpu"'
+CPU_POOL = 'resource "google_container_node_pool" "cpu"'
+
+# checkov reads the example inputs: without a repository name it cannot tell that the GitHub
+# OIDC provider's condition pins one (CKV_GCP_125).
+EXAMPLE_VARS = TERRAFORM / "terraform.tfvars.example"
+# Forge's own checkov policies (YAML), run beside checkov's.
+POLICIES = TERRAFORM / "policies"
+
+# Every inline skip, each with its reason in the .tf; a new one must be added here on purpose.
+JUSTIFIED_SKIPS = {"CKV_GCP_65", "CKV_GCP_66", "CKV_GCP_69", "CKV_GCP_84"}
+
+OFFLINE_CHECKOV = {
+    "BC_SKIP_MAPPING": "TRUE",  # no guideline/ID mapping download
+    "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true",  # no PyPI version check
+    "CKV_PARSE_ERROR_FAIL": "true",  # a file checkov cannot parse fails the run, not skips it
+}
+
+
+def copy_tree(dst: Path) -> Path:
+    shutil.copytree(TERRAFORM, dst, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*"))
+    return dst
+
+
+def rewrite(tree: Path, file: str, old: str, new: str, *, after: str | None = None) -> None:
+    """Replace the first ``old`` in ``tree/file`` (after the first ``after``, if given)."""
+    path = tree / file
+    text = path.read_text()
+    start = text.index(after) if after else 0
+    at = text.index(old, start)  # ValueError: the rewrite no longer matches the tree
+    path.write_text(text[:at] + new + text[at + len(old) :])
+
+
+def append(tree: Path, file: str, text: str) -> None:
+    path = tree / file
+    path.write_text(path.read_text() + text)
+
+
+# --- terraform fmt ---------------------------------------------------------------------------
+
+
+def terraform_binary() -> str:
+    found = shutil.which("terraform") or next(
+        (p for p in ("/usr/local/bin/terraform", "/usr/bin/terraform") if os.access(p, os.X_OK)),
+        None,
+    )
+    if found is None:
+        pytest.skip(
+            "NO terraform BINARY: `terraform fmt -check -recursive terraform/` was NOT run; "
+            "install terraform >= 1.9 for the formatting check"
+        )
+    return found
+
+
+def fmt_check(directory: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CHECKPOINT_DISABLE": "1", "TF_IN_AUTOMATION": "1"}
+    return subprocess.run(
+        [terraform_binary(), "fmt", "-check", "-recursive", "-list=true", str(directory)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_terraform_is_formatted():
+    done = fmt_check(TERRAFORM)
+    assert done.returncode == 0, f"terraform fmt -recursive terraform/ would change:\n{done.stdout}"
+
+
+def test_fmt_check_catches_an_unformatted_file(tmp_path):
+    tree = copy_tree(tmp_path / "terraform")
+    # Deep in a module, so the check must recurse to see it.
+    rewrite(tree, GKE, "    min_node_count = 0\n", "  min_node_count=0\n", after=GPU_POOL)
+    (tree / "bad.tf").write_text('variable "x" {\ntype=string\n  default = "a"\n}\n')
+    done = fmt_check(tree)
+    assert done.returncode != 0
+    assert {Path(line).name for line in done.stdout.split()} >= {"main.tf", "bad.tf"}
+
+
+def test_gitignore_keeps_state_and_plans_out():
+    if shutil.which("git") is None:
+        pytest.skip("no git binary")
+    paths = [
+        "terraform/.terraform/x",
+        "terraform/a.tfstate",
+        "terraform/a.tfstate.1",
+        "terraform/a.tfplan",
+    ]
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.stdout.split() == paths
+
+
+# --- checkov ---------------------------------------------------------------------------------
+
+
+def checkov(tools: Tools, directory: Path) -> subprocess.CompletedProcess:
+    argv = [
+        tools.bin("checkov"),
+        *("-d", str(directory), "--framework", "terraform", "--quiet", "--compact"),
+        *("--var-file", str(directory / EXAMPLE_VARS.name)),
+        *("--external-checks-dir", str(directory / POLICIES.name)),
+        *("--skip-download", "--download-external-modules", "false"),
+    ]
+    return subprocess.run(
+        argv,
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **OFFLINE_CHECKOV},
+        timeout=600,
+    )
+
+
+def summary(done: subprocess.CompletedProcess) -> dict[str, int]:
+    found = re.search(
+        r"Passed checks: (\d+), Failed checks: (\d+), Skipped checks: (\d+)", done.stdout
+    )
+    assert found, f"no checkov summary (rc {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return dict(zip(("passed", "failed", "skipped"), map(int, found.groups()), strict=True))
+
+
+def inline_skips() -> dict[str, str]:
+    """{check id: reason} of every ``#checkov:skip=`` comment in terraform/."""
+    skips = {}
+    for path in sorted(TERRAFORM.rglob("*.tf")):
+        for match in re.finditer(r"#\s*checkov:skip=([A-Z0-9_]+)(?::(.*))?", path.read_text()):
+            skips[match[1]] = (match[2] or "").strip()
+    return skips
+
+
+def test_checkov_passes_with_only_justified_skips(tools):
+    done = checkov(tools, TERRAFORM)
+    counts = summary(done)
+    assert done.returncode == 0 and counts["failed"] == 0, done.stdout
+    assert "Parsing errors" not in done.stdout, done.stdout  # an unread file is an unchecked one
+    assert counts["passed"] >= 40, counts  # the GCP checks did run over the resources
+    skips = inline_skips()
+    assert set(skips) == JUSTIFIED_SKIPS
+    assert all(len(reason) >= 40 for reason in skips.values()), skips
+    assert counts["skipped"] == len(JUSTIFIED_SKIPS)
+
+
+INSECURE = {
+    # A node pool whose pods could read the node's own credentials from the GCE metadata server.
+    "gpu pool without the GKE metadata server": (
+        "CKV_GCP_69",
+        lambda tree: rewrite(
+            tree,
+            GKE,
+            '    workload_metadata_config {\n      mode = "GKE_METADATA"\n    }\n',
+            "",
+            after=GPU_POOL,
+        ),
+    ),
+    # checkov looks only for the block (CKV_GCP_25, CKV_GCP_64), not at enable_private_nodes:
+    # private_nodes_problems below catches that one.
+    "a public cluster": (
+        "CKV_GCP_64",
+        lambda tree: rewrite(
+            tree,
+            GKE,
+            "  private_cluster_config {\n"
+            "    enable_private_nodes    = true\n"
+            "    enable_private_endpoint = var.enable_private_endpoint\n"
+            "    master_ipv4_cidr_block  = var.master_ipv4_cidr_block\n"
+            "  }\n",
+            "",
+        ),
+    ),
+    # Google-managed (no uploaded public key), so checkov's CKV2_GCP_3 passes it; Forge's own
+    # policy (terraform/policies) refuses every key.
+    "a service account key": (
+        "CKV2_FORGE_1",
+        lambda tree: append(
+            tree,
+            CI_IDENTITY,
+            '\nresource "google_service_account_key" "ci" {\n'
+            "  service_account_id = google_service_account.ci.name\n}\n",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(INSECURE))
+def test_checkov_fails_an_insecure_change(tools, tmp_path, change):
+    check_id, make_insecure = INSECURE[change]
+    tree = copy_tree(tmp_path / "terraform")
+    make_insecure(tree)
+    done = checkov(tools, tree)
+    assert done.returncode != 0, done.stdout
+    assert summary(done)["failed"] >= 1
+    assert f"Check: {check_id}:" in done.stdout, done.stdout
+
+
+# --- the parsed HCL --------------------------------------------------------------------------
+
+# Run in the tools' interpreter: every .tf under each directory given, parsed by python-hcl2 8.x
+# into {directory: {relative path: document}}. checkov depends on bc-python-hcl2, an old fork
+# that installs the same `hcl2` package: where .ci/deploy keeps python-hcl2 8.x apart from it
+# (pip install --target <venv>/python-hcl2), that copy is the one imported.
+PARSE = r"""
+import json, sys
+from pathlib import Path
+
+apart = Path(sys.prefix) / "python-hcl2"
+if apart.is_dir():
+    sys.path.insert(0, str(apart))
+import hcl2
+
+try:
+    from hcl2 import SerializationOptions
+except ImportError:
+    sys.exit(
+        f"{hcl2.__file__} is not python-hcl2 8.x (version {getattr(hcl2, '__version__', '?')}): "
+        "checkov's bc-python-hcl2 installs the same `hcl2` package over it; install "
+        "python-hcl2 apart: pip install --no-deps --target <venv>/python-hcl2 python-hcl2"
+    )
+
+options = SerializationOptions(strip_string_quotes=True, explicit_blocks=False)
+out = {}
+for root in sys.argv[1:]:
+    docs = {}
+    for path in sorted(Path(root).rglob("*.tf")):
+        if ".terraform" in path.parts:
+            continue
+        with path.open() as f:
+            docs[str(path.relative_to(root))] = hcl2.load(f, serialization_options=options)
+    out[root] = docs
+print(json.dumps(out))
+"""
+
+Tree = dict[str, dict]  # relative path -> parsed document
+
+
+def blocks(body: dict, key: str) -> list[dict]:
+    """A nested block's instances (python-hcl2 gives a block as a list of bodies)."""
+    value = body.get(key, [])
+    return value if isinstance(value, list) else [value]
+
+
+def first(body: dict, *path: str) -> dict:
+    for key in path:
+        found = blocks(body, key)
+        body = found[0] if found else {}
+    return body
+
+
+def resources(tree: Tree, kind: str) -> list[tuple[str, dict]]:
+    """(``file:type.name``, body) of every resource of that type in the tree."""
+    found = []
+    for file, doc in tree.items():
+        for entry in doc.get("resource", []):
+            for name, body in entry.get(kind, {}).items():
+                found.append((f"{file}:{kind}.{name}", body))
+    return found
+
+
+def node_pools(tree: Tree) -> list[tuple[str, dict, bool]]:
+    """(where, body, has a GPU) of every node pool."""
+    return [
+        (where, body, bool(blocks(first(body, "node_config"), "guest_accelerator")))
+        for where, body in resources(tree, "google_container_node_pool")
+    ]
+
+
+def gpu_pool_problems(tree: Tree) -> list[str]:
+    """The T4 pool: spot, autoscaled from 0, GPU-tainted, labelled, driver installed by GKE."""
+    gpu = [(where, body) for where, body, has_gpu in node_pools(tree) if has_gpu]
+    if not gpu:
+        return ["no node pool with a guest_accelerator"]
+    problems = []
+    for where, body in gpu:
+        node = first(body, "node_config")
+        accelerator = first(node, "guest_accelerator")
+        if node.get("spot") is not True:
+            problems.append(f"{where}: node_config.spot is not true")
+        if first(body, "autoscaling").get("min_node_count") != 0:
+            problems.append(f"{where}: autoscaling.min_node_count is not 0")
+        if body.get("initial_node_count", 0) != 0:
+            problems.append(f"{where}: initial_node_count is not 0")
+        taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}
+        if taint not in [{k: t.get(k) for k in taint} for t in blocks(node, "taint")]:
+            problems.append(f"{where}: no nvidia.com/gpu=present:NoSchedule taint")
+        if accelerator.get("type") != "nvidia-tesla-t4":
+            problems.append(f"{where}: accelerator is not nvidia-tesla-t4")
+        if not blocks(accelerator, "gpu_driver_installation_config"):
+            problems.append(f"{where}: no gpu_driver_installation_config (driver not installed)")
+        if not node.get("labels"):
+            problems.append(f"{where}: no node labels for the chart's nodeSelector")
+    return problems
+
+
+def cpu_pool_problems(tree: Tree) -> list[str]:
+    cpu = [(where, body) for where, body, has_gpu in node_pools(tree) if not has_gpu]
+    if not cpu:
+        return ["no CPU node pool"]
+    # On-demand unless the operator opts in (cpu_spot, default false): the chart keeps the head
+    # and the gateways off spot nodes, whose 30 s notice their drain outlasts.
+    return [
+        f"{where}: the CPU pool's spot is not var.cpu_spot"
+        for where, body in cpu
+        if "var.cpu_spot" not in str(first(body, "node_config").get("spot"))
+    ]
+
+
+def private_nodes_problems(tree: Tree) -> list[str]:
+    clusters = resources(tree, "google_container_cluster")
+    if not clusters:
+        return ["no google_container_cluster"]
+    return [
+        f"{where}: private_cluster_config.enable_private_nodes is not true"
+        for where, body in clusters
+        if first(body, "private_cluster_config").get("enable_private_nodes") is not True
+    ]
+
+
+def workload_identity_problems(tree: Tree) -> list[str]:
+    problems = []
+    for where, body in resources(tree, "google_container_cluster"):
+        pool = first(body, "workload_identity_config").get("workload_pool", "")
+        if not str(pool).endswith(".svc.id.goog"):
+            problems.append(f"{where}: no workload_identity_config.workload_pool")
+    for where, body, _ in node_pools(tree):
+        mode = first(body, "node_config", "workload_metadata_config").get("mode")
+        if mode != "GKE_METADATA":
+            problems.append(f"{where}: workload_metadata_config.mode is {mode!r}, not GKE_METADATA")
+    return problems or ([] if resources(tree, "google_container_cluster") else ["no cluster"])
+
+
+def key_problems(tree: Tree) -> list[str]:
+    """No service-account key anywhere, nor a provider reading one."""
+    problems = [
+        f"{where}: a service account key"
+        for where, _ in resources(tree, "google_service_account_key")
+    ]
+    for file, doc in tree.items():
+        for provider in doc.get("provider", []):
+            for name, body in provider.items():
+                if "credentials" in body:
+                    problems.append(f"{file}: provider {name} reads credentials from a key")
+    return problems
+
+
+def backend_problems(tree: Tree) -> list[str]:
+    backends = [
+        (file, name)
+        for file, doc in tree.items()
+        for settings in doc.get("terraform", [])
+        for backend in blocks(settings, "backend")
+        for name in backend
+    ]
+    if [name for _, name in backends] != ["gcs"]:
+        return [f"want exactly one backend, gcs, in the root module: found {backends}"]
+    if "/" in backends[0][0]:
+        return [f"the gcs backend is in {backends[0][0]}, not the root module"]
+    return []
+
+
+CHECKS: dict[str, Callable[[Tree], list[str]]] = {
+    "gpu pool": gpu_pool_problems,
+    "cpu pool": cpu_pool_problems,
+    "private nodes": private_nodes_problems,
+    "workload identity": workload_identity_problems,
+    "no keys": key_problems,
+    "gcs backend": backend_problems,
+}
+
+# check -> broken variants: each a rewrite of a copy of the tree the check must catch.
+BROKEN: dict[str, Callable[[Path], None]] = {
+    "gpu pool|min 1": lambda t: rewrite(
+        t, GKE, "min_node_count = 0", "min_node_count = 1", after=GPU_POOL
+    ),
+    "gpu pool|on demand": lambda t: rewrite(
+        t, GKE, "spot            = true", "spot            = false", after=GPU_POOL
+    ),
+    "gpu pool|no taint": lambda t: rewrite(
+        t, GKE, 'key    = "nvidia.com/gpu"', 'key    = "forge.dev/gpu"', after=GPU_POOL
+    ),
+    "gpu pool|driver not installed": lambda t: rewrite(
+        t, GKE, "gpu_driver_installation_config {", "gpu_sharing_config {", after=GPU_POOL
+    ),
+    "cpu pool|spot hard-coded": lambda t: rewrite(
+        t, GKE, "spot            = var.cpu_spot", "spot            = true", after=CPU_POOL
+    ),
+    "private nodes|off": lambda t: rewrite(
+        t, GKE, "enable_private_nodes    = true", "enable_private_nodes    = false"
+    ),
+    "workload identity|cluster without a pool": lambda t: rewrite(
+        t, GKE, "workload_identity_config {", "identity_service_config {"
+    ),
+    "workload identity|node pool on GCE metadata": lambda t: rewrite(
+        t, GKE, 'mode = "GKE_METADATA"', 'mode = "GCE_METADATA"', after=CPU_POOL
+    ),
+    "no keys|service account key": lambda t: append(
+        t,
+        CI_IDENTITY,
+        '\nresource "google_service_account_key" "ci" {\n'
+        "  service_account_id = google_service_account.ci.name\n}\n",
+    ),
+    "no keys|provider credentials": lambda t: rewrite(
+        t,
+        "providers.tf",
+        "  region  = var.region\n",
+        '  region  = var.region\n  credentials = "key.json"\n',
+    ),
+    "gcs backend|local state": lambda t: rewrite(
+        t, "versions.tf", 'backend "gcs"', 'backend "local"'
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def parsed(tools: Tools, tmp_path_factory) -> dict[str, Tree]:
+    """The tree and every broken variant, parsed in one run of the tools' interpreter."""
+    base = tmp_path_factory.mktemp("broken")
+    roots = {"": TERRAFORM}
+    for index, (variant, make_broken) in enumerate(BROKEN.items()):
+        tree = copy_tree(base / str(index))
+        make_broken(tree)
+        roots[variant] = tree
+    documents = tools.python(PARSE, *map(str, roots.values()))
+    return {variant: documents[str(root)] for variant, root in roots.items()}
+
+
+def test_parser_reads_every_file(parsed):
+    on_disk = {str(p.relative_to(TERRAFORM)) for p in TERRAFORM.rglob("*.tf")}
+    assert set(parsed[""]) == on_disk
+    assert {"versions.tf", GKE, CI_IDENTITY} <= on_disk
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_terraform_shape(parsed, check):
+    assert CHECKS[check](parsed[""]) == []
+
+
+@pytest.mark.parametrize("variant", list(BROKEN))
+def test_shape_check_catches(parsed, variant):
+    check = variant.split("|")[0]
+    assert CHECKS[check](parsed[variant]), f"{check} missed: {variant}"
+
+
+def test_every_check_has_a_broken_variant():
+    assert {variant.split("|")[0] for variant in BROKEN} == set(CHECKS)
