@@ -1,0 +1,317 @@
+{{/* Names and labels. */}}
+{{- define "forge.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "forge.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "forge.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "forge.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "forge.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "forge.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "forge.serviceAccountName" -}}
+{{- default (include "forge.fullname" .) .Values.serviceAccount.name }}
+{{- end }}
+
+{{/* An image reference: repository@digest when a digest is set, else repository:tag. */}}
+{{- define "forge.image" -}}
+{{- if .digest }}
+{{- printf "%s@%s" .repository .digest }}
+{{- else }}
+{{- printf "%s:%s" .repository .tag }}
+{{- end }}
+{{- end }}
+
+{{/*
+The serve config (files/serve-config.yaml -> configs/gke.yaml) with this environment's overrides
+applied to the application named serveConfig.appName, as YAML. Everything else is kept as is.
+*/}}
+{{- define "forge.serveConfig" -}}
+{{- $raw := .Files.Get "files/serve-config.yaml" }}
+{{- if not $raw }}
+{{- fail "files/serve-config.yaml is missing or empty: it must be a symlink to configs/gke.yaml" }}
+{{- end }}
+{{- $config := fromYaml $raw }}
+{{- if hasKey $config "Error" }}
+{{- fail (printf "files/serve-config.yaml does not parse: %s" $config.Error) }}
+{{- end }}
+{{- $values := .Values.serveConfig }}
+{{- $found := false }}
+{{- $apps := list }}
+{{- range $app := required "the serve config has no applications" $config.applications }}
+{{- if eq $app.name $values.appName }}
+{{- $found = true }}
+{{- $args := mergeOverwrite (deepCopy (default dict $app.args)) (deepCopy $values.forgeArgs) }}
+{{- $vertex := $values.vertex }}
+{{- if or $vertex.project $vertex.region }}
+{{- if not (and $vertex.project $vertex.region) }}
+{{- fail "serveConfig.vertex: set both project and region (or neither)" }}
+{{- end }}
+{{- $fallback := required "serveConfig.vertex is set but the app has no fallback" $args.fallback }}
+{{- if eq $vertex.region "global" }}
+{{- $_ := set $fallback "base_url" (printf "https://aiplatform.googleapis.com/v1/projects/%s/locations/global/endpoints/openapi" $vertex.project) }}
+{{- else }}
+{{- $_ := set $fallback "base_url" (printf "https://%s-aiplatform.googleapis.com/v1/projects/%s/locations/%s/endpoints/openapi" $vertex.region $vertex.project $vertex.region) }}
+{{- end }}
+{{- end }}
+{{- $runtimeEnv := mergeOverwrite (deepCopy (default dict $app.runtime_env)) (deepCopy $values.runtimeEnv) }}
+{{- $app = merge (dict "args" $args "runtime_env" $runtimeEnv) (omit $app "args" "runtime_env") }}
+{{- end }}
+{{- $apps = append $apps $app }}
+{{- end }}
+{{- if not $found }}
+{{- fail (printf "the serve config has no application named %q (serveConfig.appName)" $values.appName) }}
+{{- end }}
+{{- $_ := set $config "applications" $apps }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* The Forge application's `args`, from the rendered serve config, as YAML. */}}
+{{- define "forge.appArgs" -}}
+{{- $config := include "forge.serveConfig" . | fromYaml }}
+{{- range $config.applications }}
+{{- if eq .name $.Values.serveConfig.appName }}
+{{- toYaml .args }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment of every Ray container. Secrets only by reference; the variable names are the ones
+the serve config names (store.redis_url_env, fallback.api_key_env), so the two cannot drift.
+Arguments: root, group (the group's values).
+*/}}
+{{- define "forge.env" -}}
+{{- $root := .root }}
+{{- $config := include "forge.serveConfig" $root | fromYaml }}
+{{- $args := include "forge.appArgs" $root | fromYaml }}
+{{- $drain := sub (sub (int .group.terminationGracePeriodSeconds) (int .group.preStopSleepSeconds)) (int $root.Values.drain.exitMarginSeconds) }}
+{{- if lt $drain 1 }}
+{{- fail "terminationGracePeriodSeconds must exceed preStopSleepSeconds + drain.exitMarginSeconds" }}
+{{- end -}}
+# Ray drains on SIGTERM: Serve moves or stops this node's replicas within this.
+- name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
+  value: {{ $drain | quote }}
+{{- $controllerEnv := dict }}
+{{- with $config.controller_options }}{{ with .runtime_env }}{{ with .env_vars }}{{ $controllerEnv = . }}{{ end }}{{ end }}{{ end }}
+{{- range $name, $value := $controllerEnv }}
+# The Serve controller's env (controller_options), so all Serve processes agree.
+- name: {{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+# Triton's cache on the writable cache volume (read-only root file system).
+- name: TRITON_CACHE_DIR
+  value: /home/ray/.cache/triton
+{{- with $args.store }}{{ with .redis_url_env }}
+- name: {{ . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $root.Values.secrets.redisUrl.name }}
+      key: {{ $root.Values.secrets.redisUrl.key }}
+{{- end }}{{ end }}
+{{- with $args.fallback }}
+{{- if or (eq (toString .auth) "api_key") (and (not .auth) .api_key_env) }}
+- name: {{ required "fallback.auth is api_key but fallback.api_key_env is unset" .api_key_env }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $root.Values.secrets.geminiApiKey.name }}
+      key: {{ $root.Values.secrets.geminiApiKey.key }}
+{{- end }}
+{{- end }}
+{{- with $root.Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The key-hash files the serve config reads, as one projected volume of the two secrets, mounted
+at the directory of key_hashes_file. Returns "" when the config reads no key files.
+*/}}
+{{- define "forge.keysDir" -}}
+{{- $args := include "forge.appArgs" . | fromYaml }}
+{{- with $args.key_hashes_file }}{{ dir . }}{{ end }}
+{{- end }}
+
+{{- define "forge.keysVolume" -}}
+{{- $args := include "forge.appArgs" . | fromYaml }}
+{{- $dir := include "forge.keysDir" . }}
+- name: forge-keys
+  projected:
+    defaultMode: 0440
+    sources:
+      - secret:
+          name: {{ .Values.secrets.tenantKeyHashes.name }}
+          items:
+            - key: {{ .Values.secrets.tenantKeyHashes.key }}
+              path: {{ base $args.key_hashes_file }}
+{{- with .Values.secrets.redisCa }}{{ if .name }}
+      - secret:
+          name: {{ .name }}
+          items:
+            - key: {{ .key }}
+              path: redis-ca.pem
+{{- end }}{{ end }}
+{{- with $args.admin }}{{ with .key_hashes_file }}
+{{- if ne (dir .) $dir }}
+{{- fail (printf "admin.key_hashes_file (%s) must be in the directory of key_hashes_file (%s)" . $dir) }}
+{{- end }}
+      - secret:
+          name: {{ $.Values.secrets.adminKeyHashes.name }}
+          items:
+            - key: {{ $.Values.secrets.adminKeyHashes.key }}
+              path: {{ base . }}
+{{- end }}{{ end }}
+{{- end }}
+
+{{/*
+Scheduling of a group: spot groups select GKE's spot nodes (and tolerate a spot taint), the others
+keep off spot and preemptible nodes; the GPU group selects its accelerator and tolerates GKE's GPU
+taint. Arguments: group, gpu (bool).
+*/}}
+{{- define "forge.scheduling" -}}
+{{- $selector := dict }}
+{{- if .group.spot }}
+{{- $_ := set $selector "cloud.google.com/gke-spot" "true" }}
+{{- end }}
+{{- if .gpu }}
+{{- $_ := set $selector "cloud.google.com/gke-accelerator" .group.gkeAccelerator }}
+{{- end }}
+{{- $selector = merge (deepCopy .group.nodeSelector) $selector }}
+{{- with $selector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if not .group.spot }}
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        - matchExpressions:
+            - {key: cloud.google.com/gke-spot, operator: DoesNotExist}
+            - {key: cloud.google.com/gke-preemptible, operator: DoesNotExist}
+{{- end }}
+{{- $tolerations := list }}
+{{- if .group.spot }}
+{{- $tolerations = append $tolerations (dict "key" "cloud.google.com/gke-spot" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
+{{- end }}
+{{- if .gpu }}
+{{- $tolerations = append $tolerations (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
+{{- end }}
+{{- $tolerations = concat $tolerations .group.tolerations }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+A Ray pod template. Arguments: root, group (values), component, container (name), image (values),
+head (bool), gpu (bool), ports (list).
+*/}}
+{{- define "forge.rayPodTemplate" -}}
+{{- $root := .root }}
+{{- $values := $root.Values }}
+{{- $keysDir := include "forge.keysDir" $root -}}
+metadata:
+  labels:
+    {{- include "forge.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  serviceAccountName: {{ include "forge.serviceAccountName" $root }}
+  # No Kubernetes API token in Ray's containers (workload identity needs none); only the
+  # autoscaler sidecar mounts one (autoscalerOptions.volumeMounts).
+  automountServiceAccountToken: false
+  # No {SERVICE}_PORT variables: a Service named vllm would set VLLM_PORT=tcp://...,
+  # which vLLM reads as its own setting.
+  enableServiceLinks: false
+  terminationGracePeriodSeconds: {{ .group.terminationGracePeriodSeconds }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: {{ $values.securityContext.runAsUser }}
+    runAsGroup: {{ $values.securityContext.runAsGroup }}
+    fsGroup: {{ $values.securityContext.fsGroup }}
+    seccompProfile:
+      type: RuntimeDefault
+  {{- include "forge.scheduling" (dict "group" .group "gpu" .gpu) | trim | nindent 2 }}
+  containers:
+    - name: {{ .container }}
+      image: {{ include "forge.image" .image }}
+      imagePullPolicy: {{ .image.pullPolicy }}
+      ports:
+        {{- toYaml .ports | nindent 8 }}
+      env:
+        {{- include "forge.env" (dict "root" $root "group" .group) | trim | nindent 8 }}
+      resources:
+        {{- $resources := deepCopy .group.resources }}
+        {{- if .gpu }}
+        {{- $_ := set $resources.limits "nvidia.com/gpu" (toString .group.gpus) }}
+        {{- $_ := set $resources.requests "nvidia.com/gpu" (toString .group.gpus) }}
+        {{- end }}
+        {{- toYaml $resources | nindent 8 }}
+      securityContext:
+        runAsNonRoot: true
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: {{ $values.securityContext.readOnlyRootFilesystem }}
+        capabilities:
+          drop: [ALL]
+      # exec, not the sleep action: KubeRay's CRD prunes fields its embedded pod schema predates.
+      lifecycle:
+        preStop:
+          exec:
+            command: [sleep, {{ .group.preStopSleepSeconds | quote }}]
+      volumeMounts:
+        - {name: tmp, mountPath: /tmp}
+        - {name: cache, mountPath: /home/ray/.cache}
+        - {name: config, mountPath: /home/ray/.config}
+        {{- if $keysDir }}
+        - {name: forge-keys, mountPath: {{ $keysDir }}, readOnly: true}
+        {{- end }}
+  volumes:
+    - name: tmp
+      emptyDir: {sizeLimit: {{ .group.tmpSizeLimit }}}
+    - name: cache
+      emptyDir: {sizeLimit: {{ .group.cacheSizeLimit }}}
+    - name: config
+      emptyDir: {sizeLimit: 64Mi}
+    {{- if $keysDir }}
+    {{- include "forge.keysVolume" $root | trim | nindent 4 }}
+    {{- end }}
+    {{- if .head }}
+    # The autoscaler sidecar's API credentials (it patches the RayCluster's replicas;
+    # KubeRay binds its Role to this ServiceAccount). Mounted in that container only.
+    - name: autoscaler-kube-api
+      projected:
+        defaultMode: 0440
+        sources:
+          - serviceAccountToken:
+              path: token
+              expirationSeconds: 3607
+          - configMap:
+              name: kube-root-ca.crt
+              items:
+                - {key: ca.crt, path: ca.crt}
+          - downwardAPI:
+              items:
+                - path: namespace
+                  fieldRef: {fieldPath: metadata.namespace}
+    {{- end }}
+{{- end }}

@@ -1,0 +1,1023 @@
+"""helm/forge, the chart that renders Forge's RayService, validated offline.
+
+No helm binary, cluster or KubeRay CRD here, so:
+
+- Helm's own SDK (helm-python-sdk, run in the tools' virtualenv) lints the chart strictly and
+  renders it with each values file; values.schema.json refuses bad values;
+- the core kinds, and the RayService's head and worker pod templates taken out as Pods (checkov
+  does not look inside a RayService), pass ``kubernetes-validate --strict`` and checkov;
+- the RayService validates against tests/deploy/rayservice.schema.json (the fields the chart uses,
+  written from KubeRay's CRD);
+- serveConfigV2 is configs/gke.yaml plus the values' overrides, and loads with Ray's
+  ``ServeDeploySchema`` and Forge's own config model; Forge's app is built from it as Serve builds
+  it, which gives every deployment's resources and graceful_shutdown_timeout_s;
+- Ray's own KubeRay autoscaler config (``_derive_autoscaling_config_from_ray_cr``) sees the GPU
+  group's GPU, CPU, memory and accelerator_type:T4, so the pool can scale it from zero;
+- each group's grace period covers its preStop sleep plus the longest drain of the replicas Serve
+  can place there, inside a spot node's notice on spot groups;
+- every pod has enableServiceLinks: false, secrets are only referenced, the NetworkPolicy opens
+  only Serve's entry point to the outside, monitoring objects are the observability/ files.
+
+Each check is a function fed a broken input too, and must catch it. Rendering is done once per
+session, every case in one call of the tools' interpreter.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import ROOT, Tools
+
+CHART = ROOT / "helm" / "forge"
+RAYSERVICE_SCHEMA = Path(__file__).with_name("rayservice.schema.json")
+RELEASE = NAMESPACE = "forge"
+KUBE_VERSION = "1.30.0"  # Chart.yaml's kubeVersion floor
+SPOT_NOTICE_S = 30  # GKE: a spot VM gets 30 s between the preemption notice and its end
+FORGE_APP = "forge"
+RAY_CONTAINERS = {"ray-head", "ray-worker"}
+
+VALUES_FILES = {"default": None, "production": CHART / "values-production.yaml"}
+
+# Checkov checks that do not apply, and why. Everything else must pass.
+CHECKOV_SKIPS = {
+    "CKV_K8S_8": "liveness: KubeRay injects Ray's own probes into a Ray container that has none",
+    "CKV_K8S_9": "readiness: as CKV_K8S_8 (the raylet and dashboard agent, and Serve's "
+    "/-/healthz on workers)",
+    "CKV_K8S_35": "secrets as env: Forge reads the Redis URL and the Gemini key from the "
+    "variables its serve config names (store.redis_url_env, fallback.api_key_env); both come "
+    "from secretKeyRef, and the key hashes are mounted files",
+    "CKV_K8S_40": "high UID: Ray's images run as uid 1000 (ray), which owns /home/ray",
+    "CKV_K8S_43": "digest: tags are immutable, one per commit, bumped by CI; image.digest pins "
+    "by digest where wanted",
+}
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def values_of(name: str, override: dict | None = None) -> dict:
+    path = VALUES_FILES[name]
+    base = yaml.safe_load(path.read_text()) if path else {}
+    return deep_merge(base, override or {})
+
+
+# --- rendering (Helm's SDK in the tools' virtualenv) -----------------------------------------
+
+RENDER = """
+import json, sys
+import helm_python as helm
+helm.disable_logging()
+chart_dir, release, namespace, cases = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+out = {}
+with helm.Chart.load(chart_dir) as chart:
+    for name, values in json.loads(cases).items():
+        try:
+            manifests = chart.render(values=values, name=release, namespace=namespace,
+                                     is_install=True)
+            out[name] = {"manifests": manifests}
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+print(json.dumps(out))
+"""
+
+LINT = """
+import json, sys
+import helm_python as helm
+helm.disable_logging()
+namespace, kube_version, cases = sys.argv[1], sys.argv[2], sys.argv[3]
+out = {}
+for name, (chart_dir, values) in json.loads(cases).items():
+    out[name] = helm.lint(chart_dir, values, strict=True, namespace=namespace,
+                          kube_version=kube_version)
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class Render:
+    """A render: its documents, or Helm's error."""
+
+    docs: tuple[dict, ...] = ()
+    error: str | None = None
+
+    def kind(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def one(self, kind: str) -> dict:
+        (doc,) = self.kind(kind)
+        return doc
+
+
+def parse_render(result: dict) -> Render:
+    if "error" in result:
+        return Render(error=result["error"])
+    docs = []
+    for path in sorted(result["manifests"]):
+        docs += [d for d in yaml.safe_load_all(result["manifests"][path]) if d]
+    return Render(docs=tuple(docs))
+
+
+# Values that render; what they render must fail a check below.
+BROKEN_BUT_RENDERING = {
+    # Forge's config model refuses a negative tenant weight.
+    "rejected-by-forge": {
+        "serveConfig": {"forgeArgs": {"tenants": [{"name": "default", "weight": -1}]}}
+    },
+    # The gateways drain up to 120 s: 60 s cannot hold 5 s of preStop and the drain.
+    "short-gateway-grace": {"workers": {"cpu": {"terminationGracePeriodSeconds": 60}}},
+    # Gateways on spot: their drain cannot fit a spot node's notice.
+    "spot-gateways": {"workers": {"cpu": {"spot": True}}},
+    # A spot group whose grace outlasts the notice.
+    "long-spot-grace": {"workers": {"gpu": {"terminationGracePeriodSeconds": 45}}},
+    # A key in the chart's values, in plain text.
+    "literal-secret": {"extraEnv": [{"name": "GEMINI_API_KEY", "value": "AIza" + "x" * 35}]},
+}
+# Values that must render, exercising an override.
+OVERRIDES = {
+    "vertex-global": {"serveConfig": {"vertex": {"project": "forge-staging", "region": "global"}}},
+    "api-key-fallback": {
+        "serveConfig": {
+            "forgeArgs": {
+                "fallback": {
+                    "auth": "api_key",
+                    "api_key_env": "GEMINI_API_KEY",
+                    "base_url": "https://generativelanguage.googleapis.com/v1beta/openai",
+                }
+            }
+        }
+    },
+}
+# Values the chart must refuse, and a fragment of Helm's message naming what is wrong.
+REFUSED = {
+    "negative-min-replicas": (
+        {"workers": {"gpu": {"minReplicas": -1}}},
+        "/workers/gpu/minReplicas",
+    ),
+    "grace-as-string": (
+        {"head": {"terminationGracePeriodSeconds": "60"}},
+        "/head/terminationGracePeriodSeconds",
+    ),
+    "unknown-upgrade-strategy": (
+        {"upgradeStrategy": {"type": "BlueGreen"}},
+        "/upgradeStrategy/type",
+    ),
+    "latest-tag": ({"image": {"tag": "latest"}}, "/image/tag"),
+    "misspelt-key": ({"workers": {"gpu": {"minReplica": 0}}}, "minReplica"),
+    "bad-secret-name": (
+        {"secrets": {"redisUrl": {"name": "Forge_Redis"}}},
+        "/secrets/redisUrl/name",
+    ),
+    "bad-vertex-region": (
+        {"serveConfig": {"vertex": {"project": "forge-prod", "region": "US Central"}}},
+        "/serveConfig/vertex/region",
+    ),
+    # null deletes a default in Helm: a GPU group without a CPU limit.
+    "gpu-without-cpu-limit": (
+        {"workers": {"gpu": {"resources": {"limits": {"cpu": None}}}}},
+        "/workers/gpu/resources/limits",
+    ),
+    "gsa-not-an-email": (
+        {"serviceAccount": {"gcpServiceAccount": "forge-ray"}},
+        "/serviceAccount/gcpServiceAccount",
+    ),
+    # Caught by the templates (cross-field).
+    "vertex-half-set": (
+        {"serveConfig": {"vertex": {"project": "forge-prod", "region": ""}}},
+        "set both",
+    ),
+    "replicas-out-of-bounds": (
+        {"workers": {"gpu": {"minReplicas": 3, "maxReplicas": 2}}},
+        "minReplicas <= replicas <= maxReplicas",
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def renders(tools: Tools) -> dict[str, Render]:
+    cases = {name: values_of(name) for name in VALUES_FILES}
+    cases |= {name: values_of("production", v) for name, v in BROKEN_BUT_RENDERING.items()}
+    cases |= {name: values_of("production", v) for name, v in OVERRIDES.items()}
+    cases |= {name: values_of("production", v) for name, (v, _) in REFUSED.items()}
+    out = tools.python(RENDER, str(CHART), RELEASE, NAMESPACE, json.dumps(cases))
+    return {name: parse_render(result) for name, result in out.items()}
+
+
+@pytest.fixture(scope="session", params=list(VALUES_FILES))
+def rendered(request, renders) -> Render:
+    """The chart as each values file renders it."""
+    render = renders[request.param]
+    assert render.error is None, render.error
+    return render
+
+
+# --- Helm: lint, render, schema --------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def lint_reports(tools: Tools, tmp_path_factory) -> dict[str, dict]:
+    broken = tmp_path_factory.mktemp("chart") / "forge"
+    shutil.copytree(CHART, broken, symlinks=False)  # the copy holds the files the links name
+    (broken / "templates" / "broken.yaml").write_text("kind: {{ .Values.image.tag \n")
+    cases = {name: (str(CHART), values_of(name)) for name in VALUES_FILES}
+    cases["broken-template"] = (str(broken), values_of("default"))
+    return tools.python(LINT, NAMESPACE, f"v{KUBE_VERSION}", json.dumps(cases))
+
+
+def lint_problems(report: dict) -> list[str]:
+    """Errors and warnings (strict lint fails on both); info ("icon is recommended") is not."""
+    problems = list(report["errors"])
+    problems += [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2]
+    return problems
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_lint_is_clean_with_each_values_file(lint_reports, name):
+    report = lint_reports[name]
+    assert report["total_charts_linted"] == 1
+    assert lint_problems(report) == []
+
+
+def test_lint_fails_on_a_broken_template(lint_reports):
+    assert any("broken.yaml" in p for p in lint_problems(lint_reports["broken-template"]))
+
+
+def test_each_values_file_renders_every_object(rendered):
+    kinds = sorted(d["kind"] for d in rendered.docs)
+    assert kinds == [
+        "ConfigMap",
+        "NetworkPolicy",
+        "PodMonitor",
+        "PrometheusRule",
+        "RayService",
+        "ServiceAccount",
+    ]
+    for doc in rendered.docs:
+        assert doc["metadata"]["namespace"] == NAMESPACE, doc["kind"]
+
+
+def test_the_chart_reads_the_repository_files_through_symlinks():
+    """One source of truth: the chart's files/ are links to the files the rest of Forge uses
+    (Helm's loader and ArgoCD follow links that stay inside the repository)."""
+    links = {
+        "serve-config.yaml": ROOT / "configs" / "gke.yaml",
+        "forge-rules.yaml": ROOT / "observability" / "prometheus" / "forge-rules.yaml",
+        "forge-overview.json": ROOT / "observability" / "grafana" / "forge-overview.json",
+    }
+    for name, target in links.items():
+        link = CHART / "files" / name
+        assert link.is_symlink() and not Path(link.readlink()).is_absolute(), link
+        assert link.resolve() == target.resolve()
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bad_values_are_refused(renders, name):
+    _, fragment = REFUSED[name]
+    render = renders[name]
+    assert render.error is not None, f"{name} rendered"
+    assert fragment in render.error
+
+
+# --- serveConfigV2: configs/gke.yaml, loaded by Serve and by Forge ---------------------------
+
+
+def serve_config(render: Render) -> dict:
+    return yaml.safe_load(render.one("RayService")["spec"]["serveConfigV2"])
+
+
+def forge_app(config: dict) -> dict:
+    (app,) = [a for a in config["applications"] if a["name"] == FORGE_APP]
+    return app
+
+
+def check_serve_config(config: dict) -> None:
+    """What KubeRay's dashboard call and Forge's builder do with serveConfigV2: Serve's schema,
+    then Forge's own config model on the app's args. Raises what they raise."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.config import load_config
+
+    ServeDeploySchema.model_validate(config)
+    load_config(forge_app(config)["args"])
+
+
+def gke_config() -> dict:
+    return yaml.safe_load((ROOT / "configs" / "gke.yaml").read_text())
+
+
+def test_serve_config_is_configs_gke_yaml(renders):
+    assert serve_config(renders["default"]) == gke_config()
+
+
+def test_production_overrides_only_the_vertex_endpoint(renders):
+    expected = gke_config()
+    forge_app(expected)["args"]["fallback"]["base_url"] = (
+        "https://us-central1-aiplatform.googleapis.com/v1/projects/forge-prod"
+        "/locations/us-central1/endpoints/openapi"
+    )
+    assert serve_config(renders["production"]) == expected
+
+
+def test_vertex_global_endpoint(renders):
+    fallback = forge_app(serve_config(renders["vertex-global"]))["args"]["fallback"]
+    assert fallback["base_url"] == (
+        "https://aiplatform.googleapis.com/v1/projects/forge-staging/locations/global"
+        "/endpoints/openapi"
+    )
+
+
+@pytest.mark.parametrize("name", [*VALUES_FILES, *OVERRIDES])
+def test_serve_config_loads_with_serve_and_forge(renders, name):
+    check_serve_config(serve_config(renders[name]))
+
+
+def test_a_serve_config_forge_rejects_fails(renders):
+    from serve_app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="weight"):
+        check_serve_config(serve_config(renders["rejected-by-forge"]))
+
+
+def test_a_serve_config_serve_rejects_fails(renders):
+    from pydantic import ValidationError
+
+    config = serve_config(renders["production"])
+    config["proxy_location"] = "Everywhere"
+    with pytest.raises(ValidationError, match="proxy_location"):
+        check_serve_config(config)
+
+
+def test_haproxy_mode_reaches_every_ray_container(rendered):
+    """configs/gke.yaml runs HAProxy's ingress mode from the controller's env: the chart exports
+    the controller's env to every Ray container, so every Serve process agrees."""
+    controller_env = serve_config(rendered)["controller_options"]["runtime_env"]["env_vars"]
+    assert controller_env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for group, spec in pod_specs(rendered.one("RayService")).items():
+        env = {e["name"]: e.get("value") for e in ray_container(spec)["env"]}
+        for name, value in controller_env.items():
+            assert env.get(name) == value, (group, name)
+
+
+# --- the RayService --------------------------------------------------------------------------
+
+
+def groups(rayservice: dict) -> dict[str, dict]:
+    """The head ("headgroup", as Ray's autoscaler names it) and worker group specs, by name."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    found = {"headgroup": cluster["headGroupSpec"]}
+    found |= {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    return found
+
+
+def pod_specs(rayservice: dict) -> dict[str, dict]:
+    return {name: g["template"]["spec"] for name, g in groups(rayservice).items()}
+
+
+def ray_container(spec: dict) -> dict:
+    """KubeRay runs Ray in the first container."""
+    container = spec["containers"][0]
+    assert container["name"] in RAY_CONTAINERS
+    return container
+
+
+def as_pods(render: Render) -> list[dict]:
+    """The head and worker templates as the Pods KubeRay makes of them."""
+    rayservice = render.one("RayService")
+    pods = []
+    for name, group in groups(rayservice).items():
+        template = group["template"]
+        metadata = {
+            "name": f"{rayservice['metadata']['name']}-{name}",
+            "namespace": rayservice["metadata"]["namespace"],
+            "labels": template["metadata"]["labels"],
+        }
+        pods.append(
+            {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
+        )
+    return pods
+
+
+def check_jsonschema(tools: Tools, tmp_path: Path, doc: dict) -> str | None:
+    """None if the RayService validates against the schema, else check-jsonschema's output."""
+    instance = tmp_path / "rayservice.json"
+    instance.write_text(json.dumps(doc))
+    done = tools.run("check-jsonschema", "--schemafile", str(RAYSERVICE_SCHEMA), str(instance))
+    return None if done.returncode == 0 else done.stdout + done.stderr
+
+
+def test_rayservice_validates_against_kuberay_schema(tools, rendered, tmp_path):
+    assert check_jsonschema(tools, tmp_path, rendered.one("RayService")) is None
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    ["misspelt group field", "number in rayStartParams", "unknown upgrade strategy"],
+)
+def test_rayservice_schema_catches(tools, renders, tmp_path, breakage):
+    doc = copy.deepcopy(renders["production"].one("RayService"))
+    cluster = doc["spec"]["rayClusterConfig"]
+    if breakage == "misspelt group field":
+        cluster["workerGroupSpecs"][1]["minReplica"] = cluster["workerGroupSpecs"][1].pop(
+            "minReplicas"
+        )
+    elif breakage == "number in rayStartParams":
+        cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+    else:
+        doc["spec"]["upgradeStrategy"]["type"] = "BlueGreen"
+    assert check_jsonschema(tools, tmp_path, doc) is not None
+
+
+def test_an_image_bump_rolls_out_on_one_t4(rendered):
+    """NewCluster rolls a cluster change (an image tag) out, and needs no second T4 because
+    every pool of the serve config starts with no GPU replica (the fallback serves meanwhile);
+    a pool that starts one would make the new cluster wait for a T4 the old one holds."""
+    service = rendered.one("RayService")
+    assert service["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    for app in serve_config["applications"]:
+        for pool in (app.get("args") or {}).get("pools", []):
+            deployment = pool.get("deployment", {})
+            gpus = deployment.get("ray_actor_options", {}).get("num_gpus", 0)
+            autoscaling = deployment.get("autoscaling_config")
+            if gpus:
+                assert autoscaling is not None, f"{pool['name']}: a GPU pool needs autoscaling"
+                assert autoscaling.get("initial_replicas", autoscaling.get("min_replicas")) == 0, (
+                    f"pool {pool['name']} starts a GPU replica: a NewCluster upgrade would wait "
+                    "for a second T4"
+                )
+
+
+# --- the autoscaler: the GPU group scales from zero ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    resources: dict[str, float]  # a replica's demand, as Ray schedules it
+    graceful_shutdown_timeout_s: float
+
+
+@functools.cache
+def _deployments(serve_config_text: str) -> tuple[Deployment, ...]:
+    from ray.serve._private import constants
+    from ray.serve._private.build_app import build_app
+
+    config = yaml.safe_load(serve_config_text)
+    app = forge_app(config)
+    module, _, attr = app["import_path"].partition(":")
+    builder = getattr(importlib.import_module(module), attr)
+    built = build_app(builder(app["args"]), name=app["name"])
+    controller_env = config.get("controller_options", {}).get("runtime_env", {})
+    haproxy = controller_env.get("env_vars", {}).get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+    # Serve's floor for an ingress replica in HAProxy's direct-ingress mode (deploy_utils).
+    floor = (
+        constants.RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+        + constants.RAY_SERVE_DIRECT_INGRESS_SHUTDOWN_BUFFER_S
+    )
+    overrides = {d["name"]: d for d in app.get("deployments", [])}
+    found = []
+    for d in built.deployments:
+        resources = dict(d._replica_config.resource_dict)
+        grace = d._deployment_config.graceful_shutdown_timeout_s
+        override = overrides.get(d.name, {})
+        grace = override.get("graceful_shutdown_timeout_s", grace)
+        assert "ray_actor_options" not in override, "resources overridden in serveConfigV2"
+        if haproxy and d.name == built.ingress_deployment_name:
+            grace = max(grace, floor)
+        found.append(Deployment(d.name, resources, float(grace)))
+    return tuple(found)
+
+
+def deployments(render: Render) -> tuple[Deployment, ...]:
+    return _deployments(render.one("RayService")["spec"]["serveConfigV2"])
+
+
+def autoscaling_config(rayservice: dict) -> dict:
+    """Ray's own reading of the cluster spec (what its KubeRay autoscaler scales from)."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
+
+    ray_cr = {"metadata": rayservice["metadata"], "spec": rayservice["spec"]["rayClusterConfig"]}
+    return _derive_autoscaling_config_from_ray_cr(ray_cr)
+
+
+def fits(node: dict[str, float], demand: dict[str, float]) -> bool:
+    # Ray keeps work that needs no GPU off GPU nodes while others have room (the scheduler's
+    # avoid-GPU-nodes rule): count such work only on non-GPU groups.
+    if not demand.get("GPU") and node.get("GPU"):
+        return False
+    return all(node.get(k, 0) >= v for k, v in demand.items() if v > 0)
+
+
+def placements(rayservice: dict, deps: tuple[Deployment, ...]) -> dict[str, list[Deployment]]:
+    """Where Serve can place each deployment's replicas: the node types whose advertised
+    resources cover its demand. Fails if a deployment fits none: the autoscaler could never
+    start a node for it (the GPU group's scale-from-zero, for the pool)."""
+    node_types = autoscaling_config(rayservice)["available_node_types"]
+    placed: dict[str, list[Deployment]] = {name: [] for name in node_types}
+    for d in deps:
+        homes = [n for n, t in node_types.items() if fits(t["resources"], d.resources)]
+        if not homes:
+            raise AssertionError(f"no worker group advertises what {d.name} needs: {d.resources}")
+        for name in homes:
+            placed[name].append(d)
+    return placed
+
+
+def gpu_group(rayservice: dict) -> dict:
+    (group,) = [g for g in groups(rayservice).values() if "num-gpus" in g.get("rayStartParams", {})]
+    return group
+
+
+def test_gpu_group_advertises_what_the_pool_asks_for(rendered):
+    rayservice = rendered.one("RayService")
+    (pool,) = [d for d in deployments(rendered) if d.resources.get("GPU")]
+    name = gpu_group(rayservice)["groupName"]
+    node = autoscaling_config(rayservice)["available_node_types"][name]
+    assert node["min_workers"] == 0
+    assert node["resources"]["GPU"] >= pool.resources["GPU"]
+    assert node["resources"]["CPU"] >= pool.resources["CPU"]
+    assert node["resources"]["accelerator_type:T4"] == 1
+    assert node["resources"]["memory"] > 0
+    assert fits(node["resources"], pool.resources)
+
+
+def test_every_deployment_has_a_group_to_scale(rendered):
+    placed = placements(rendered.one("RayService"), deployments(rendered))
+    names = {n: {d.name for d in ds} for n, ds in placed.items()}
+    assert names["headgroup"] == {"scheduler-primary", "breaker-board"}
+    assert names["cpu"] == {"gateway", "scheduler-primary", "breaker-board"}
+    assert names["gpu-t4"] == {"pool-primary"}
+
+
+def test_a_gpu_group_without_the_accelerator_resource_cannot_scale_the_pool(renders):
+    rayservice = copy.deepcopy(renders["production"].one("RayService"))
+    del gpu_group(rayservice)["rayStartParams"]["resources"]
+    with pytest.raises(AssertionError, match="pool-primary"):
+        placements(rayservice, deployments(renders["production"]))
+
+
+def test_a_gpu_group_without_cpu_limits_cannot_be_scaled(renders):
+    rayservice = copy.deepcopy(renders["production"].one("RayService"))
+    container = ray_container(gpu_group(rayservice)["template"]["spec"])
+    for kind in ("limits", "requests"):
+        del container["resources"][kind]["cpu"]
+    with pytest.raises(ValueError, match="CPU"):
+        autoscaling_config(rayservice)
+
+
+# --- drain arithmetic ------------------------------------------------------------------------
+
+
+def prestop_sleep(container: dict) -> int:
+    """Seconds the preStop hook sleeps (an exec of sleep, or the sleep action)."""
+    hook = container.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in hook:
+        return int(hook["sleep"]["seconds"])
+    command = hook.get("exec", {}).get("command", [])
+    if command and Path(command[0]).name == "sleep":
+        return int(command[1])
+    assert not hook, f"a preStop hook the drain check cannot read: {hook}"
+    return 0
+
+
+def drain_problems(rayservice: dict, deps: tuple[Deployment, ...]) -> list[str]:
+    """Per group: Kubernetes counts the preStop sleep inside terminationGracePeriodSeconds, then
+    SIGTERMs `ray start`, whose drain (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S) must outlast the
+    longest graceful_shutdown_timeout_s of the replicas Serve can place there and end before
+    the kubelet's SIGKILL. A spot group's grace must fit the spot notice."""
+    from ray._private import ray_constants
+
+    problems = []
+    placed = placements(rayservice, deps)
+    for name, spec in pod_specs(rayservice).items():
+        container = ray_container(spec)
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+        sleep = prestop_sleep(container)
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        ray_drain = float(
+            env.get(
+                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
+                ray_constants.RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S,
+            )
+        )
+        drain = max((d.graceful_shutdown_timeout_s for d in placed[name]), default=0)
+        if grace < sleep + drain:
+            problems.append(f"{name}: grace {grace}s < preStop {sleep}s + drain {drain}s")
+        if ray_drain < drain:
+            problems.append(f"{name}: Ray's drain {ray_drain}s < replicas' drain {drain}s")
+        if sleep + ray_drain > grace:
+            problems.append(f"{name}: preStop {sleep}s + Ray's drain {ray_drain}s > grace {grace}s")
+        if spec.get("nodeSelector", {}).get("cloud.google.com/gke-spot") == "true":
+            if grace > SPOT_NOTICE_S:
+                problems.append(f"{name}: spot, grace {grace}s > notice {SPOT_NOTICE_S}s")
+    return problems
+
+
+def test_grace_periods_cover_the_drain(rendered):
+    assert drain_problems(rendered.one("RayService"), deployments(rendered)) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("short-gateway-grace", "cpu: grace 60s < preStop 5s + drain 120.0s"),
+        ("spot-gateways", "cpu: spot, grace 130s > notice 30s"),
+        ("long-spot-grace", "gpu-t4: spot, grace 45s > notice 30s"),
+    ],
+)
+def test_drain_arithmetic_catches(renders, name, problem):
+    render = renders[name]
+    assert problem in drain_problems(render.one("RayService"), deployments(render))
+
+
+def test_drain_arithmetic_catches_a_drain_cut_by_the_kubelet(renders):
+    rayservice = copy.deepcopy(renders["production"].one("RayService"))
+    container = ray_container(pod_specs(rayservice)["gpu-t4"])
+    (env,) = [e for e in container["env"] if e["name"] == "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"]
+    env["value"] = "30"
+    assert "gpu-t4: preStop 2s + Ray's drain 30.0s > grace 20s" in drain_problems(
+        rayservice, deployments(renders["production"])
+    )
+
+
+# --- pods: scheduling, service links, secrets ------------------------------------------------
+
+
+def test_gpu_workers_go_to_spot_t4_nodes_and_the_rest_off_spot(rendered):
+    specs = pod_specs(rendered.one("RayService"))
+    gpu = specs["gpu-t4"]
+    assert gpu["nodeSelector"] == {
+        "cloud.google.com/gke-spot": "true",
+        "cloud.google.com/gke-accelerator": "nvidia-tesla-t4",
+    }
+    assert {t["key"] for t in gpu["tolerations"]} == {"cloud.google.com/gke-spot", "nvidia.com/gpu"}
+    assert ray_container(gpu)["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    for name in ("headgroup", "cpu"):
+        terms = specs[name]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        (term,) = terms["nodeSelectorTerms"]
+        assert {"key": "cloud.google.com/gke-spot", "operator": "DoesNotExist"} in term[
+            "matchExpressions"
+        ]
+
+
+def service_link_problems(render_docs: list[dict]) -> list[str]:
+    """Every pod spec (RayService groups, and any workload) must set enableServiceLinks: false."""
+    problems = []
+    for doc in render_docs:
+        specs = pod_specs(doc) if doc["kind"] == "RayService" else {}
+        if doc["kind"] == "Pod":
+            specs = {doc["metadata"]["name"]: doc["spec"]}
+        for name, spec in specs.items():
+            if spec.get("enableServiceLinks") is not False:
+                problems.append(f"{doc['kind']} {name}")
+    return problems
+
+
+def test_no_service_links(rendered):
+    assert service_link_problems(list(rendered.docs)) == []
+
+
+def test_service_links_check_catches_a_pod_without_it(renders):
+    rayservice = copy.deepcopy(renders["production"].one("RayService"))
+    del pod_specs(rayservice)["gpu-t4"]["enableServiceLinks"]
+    assert service_link_problems([rayservice]) == ["RayService gpu-t4"]
+
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|PASSWORD|SECRET|CREDENTIAL|REDIS_URL", re.IGNORECASE)
+SECRET_TEXT = re.compile(
+    r"AIza[0-9A-Za-z_-]{35}|sk-[A-Za-z0-9]{20,}|-----BEGIN [A-Z ]*PRIVATE KEY|rediss?://[^\s/@]+@"
+)
+
+
+def secret_problems(render: Render) -> list[str]:
+    """Secrets only by reference: no Secret objects, no secret-looking text anywhere, and every
+    secret-named variable (and those the serve config reads secrets from) from a secretKeyRef."""
+    problems = [f"Secret {d['metadata']['name']}" for d in render.kind("Secret")]
+    problems += [
+        f"{d['kind']}: {m.group()[:8]}..."
+        for d in render.docs
+        for m in [SECRET_TEXT.search(json.dumps(d))]
+        if m
+    ]
+    args = forge_app(serve_config(render))["args"]
+    from_config = {args.get("store", {}).get("redis_url_env"), args["fallback"].get("api_key_env")}
+    for group, spec in pod_specs(render.one("RayService")).items():
+        env = {e["name"]: e for e in ray_container(spec)["env"]}
+        for name in from_config - {None}:
+            if name not in env:
+                problems.append(f"{group}: {name} missing")
+        for name, entry in env.items():
+            if SECRET_NAME.search(name) or name in from_config:
+                if "secretKeyRef" not in entry.get("valueFrom", {}):
+                    problems.append(f"{group}: {name} not from a Secret")
+    return problems
+
+
+@pytest.mark.parametrize("name", [*VALUES_FILES, "api-key-fallback"])
+def test_secrets_are_only_referenced(renders, name):
+    assert secret_problems(renders[name]) == []
+
+
+def test_the_gemini_key_is_referenced_in_api_key_mode(renders):
+    spec = pod_specs(renders["api-key-fallback"].one("RayService"))["cpu"]
+    env = {e["name"]: e for e in ray_container(spec)["env"]}
+    assert env["GEMINI_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "forge-gemini",
+        "key": "api-key",
+    }
+    # workload identity (configs/gke.yaml) needs no key at all
+    spec = pod_specs(renders["production"].one("RayService"))["cpu"]
+    assert "GEMINI_API_KEY" not in {e["name"] for e in ray_container(spec)["env"]}
+
+
+def test_secret_check_catches_a_literal_key(renders):
+    problems = secret_problems(renders["literal-secret"])
+    assert "cpu: GEMINI_API_KEY not from a Secret" in problems
+    assert any(p.startswith("RayService: AIza") for p in problems)
+
+
+def test_key_hashes_are_mounted_where_the_serve_config_reads_them(rendered):
+    """And Memorystore's CA beside them, where terraform's redis_url names it."""
+    args = forge_app(serve_config(rendered))["args"]
+    keys_dir = args["key_hashes_file"].rsplit("/", 1)[0]
+    files = {args["key_hashes_file"], args["admin"]["key_hashes_file"], f"{keys_dir}/redis-ca.pem"}
+    for group, spec in pod_specs(rendered.one("RayService")).items():
+        (mount,) = [m for m in ray_container(spec)["volumeMounts"] if m["name"] == "forge-keys"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "forge-keys"]
+        paths = {
+            f"{mount['mountPath']}/{item['path']}"
+            for source in volume["projected"]["sources"]
+            for item in source["secret"]["items"]
+        }
+        assert paths == files, group
+        assert mount["readOnly"] is True
+
+
+def test_workload_identity(renders):
+    (account,) = renders["production"].kind("ServiceAccount")
+    assert account["metadata"]["annotations"] == {
+        "iam.gke.io/gcp-service-account": "forge-ray@forge-prod.iam.gserviceaccount.com"
+    }
+    assert account["automountServiceAccountToken"] is False
+    rayservice = renders["production"].one("RayService")
+    for spec in pod_specs(rayservice).values():
+        assert spec["serviceAccountName"] == account["metadata"]["name"]
+        assert spec["automountServiceAccountToken"] is False
+    # The autoscaler sidecar alone mounts an API token (KubeRay's Role is bound to the account).
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    (mount,) = cluster["autoscalerOptions"]["volumeMounts"]
+    assert mount["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+    head_volumes = {v["name"] for v in cluster["headGroupSpec"]["template"]["spec"]["volumes"]}
+    assert mount["name"] in head_volumes
+
+
+# --- network policy --------------------------------------------------------------------------
+
+SERVE_PORT = 8000
+OPERATOR_PORTS = {8265, 52365}
+METRICS_PORTS = {8080, 44217, 44227, 9101}
+
+
+def exposure_problems(
+    policy: dict, rayservice: dict, operator_ns: str, monitoring_ns: str
+) -> list[str]:
+    """Only Serve's entry point from anywhere; Ray's ports between the release's Ray pods; the
+    dashboard from the KubeRay operator; metrics from the monitoring namespace."""
+    problems = []
+    spec = policy["spec"]
+    selector = spec["podSelector"]["matchLabels"]
+    for name, group in groups(rayservice).items():
+        labels = group["template"]["metadata"]["labels"]
+        if not selector or any(labels.get(k) != v for k, v in selector.items()):
+            problems.append(f"{name} pods are not selected")
+    if "Ingress" not in spec["policyTypes"]:
+        problems.append("no Ingress policy")
+    for rule in spec.get("ingress", []):
+        ports = {p["port"] for p in rule.get("ports", [])}
+        peers = rule.get("from")
+        if not peers:
+            if ports != {SERVE_PORT}:
+                problems.append(f"open to all: {sorted(ports) or 'every port'}")
+            continue
+        for peer in peers:
+            if "ipBlock" in peer:
+                problems.append(f"ipBlock {peer['ipBlock']}")
+            elif "namespaceSelector" in peer:
+                namespace = (
+                    peer["namespaceSelector"]
+                    .get("matchLabels", {})
+                    .get("kubernetes.io/metadata.name")
+                )
+                allowed = {operator_ns: OPERATOR_PORTS, monitoring_ns: METRICS_PORTS}.get(namespace)
+                if allowed is None or not ports or not ports <= allowed:
+                    problems.append(f"namespace {namespace}: {sorted(ports) or 'every port'}")
+            elif peer.get("podSelector", {}).get("matchLabels") != selector:
+                problems.append(f"pods {peer.get('podSelector')}: {sorted(ports) or 'every port'}")
+    return problems
+
+
+def policy_problems(render: Render, policy: dict | None = None) -> list[str]:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]
+    return exposure_problems(
+        policy or render.one("NetworkPolicy"),
+        render.one("RayService"),
+        values["operatorNamespace"],
+        values["monitoringNamespace"],
+    )
+
+
+def test_only_serve_is_reachable_from_outside(rendered):
+    assert policy_problems(rendered) == []
+
+
+def test_network_policy_check_catches_an_open_dashboard(renders):
+    policy = copy.deepcopy(renders["production"].one("NetworkPolicy"))
+    policy["spec"]["ingress"][0]["ports"].append({"port": 8265, "protocol": "TCP"})
+    assert policy_problems(renders["production"], policy) == ["open to all: [8000, 8265]"]
+
+
+def test_network_policy_check_catches_ray_ports_open_to_the_namespace(renders):
+    policy = copy.deepcopy(renders["production"].one("NetworkPolicy"))
+    policy["spec"]["ingress"][1]["from"][0]["podSelector"] = {}
+    assert policy_problems(renders["production"], policy) == ["pods {}: every port"]
+
+
+# --- monitoring ------------------------------------------------------------------------------
+
+
+def monitoring_problems(render: Render) -> list[str]:
+    """The PrometheusRule and the dashboard are observability/'s files, and the PodMonitor
+    scrapes ports every Ray pod it selects declares."""
+    problems = []
+    rules = yaml.safe_load((ROOT / "observability/prometheus/forge-rules.yaml").read_text())
+    if render.one("PrometheusRule")["spec"] != rules:
+        problems.append("PrometheusRule differs from forge-rules.yaml")
+    dashboard = json.loads((ROOT / "observability/grafana/forge-overview.json").read_text())
+    (config_map,) = [
+        d for d in render.kind("ConfigMap") if "grafana_dashboard" in d["metadata"]["labels"]
+    ]
+    if config_map["metadata"]["labels"]["grafana_dashboard"] != "1":
+        problems.append("dashboard ConfigMap not labelled for Grafana's sidecar")
+    if json.loads(config_map["data"]["forge-overview.json"]) != dashboard:
+        problems.append("dashboard differs from forge-overview.json")
+    monitor = render.one("PodMonitor")["spec"]
+    selector = monitor["selector"]["matchLabels"]
+    for name, group in groups(render.one("RayService")).items():
+        labels = group["template"]["metadata"]["labels"]
+        if any(labels.get(k) != v for k, v in selector.items()):
+            problems.append(f"{name} not scraped")
+        ports = {p["name"] for p in ray_container(group["template"]["spec"])["ports"]}
+        if "metrics" not in ports:
+            problems.append(f"{name} has no metrics port")
+    head_ports = {
+        p["name"] for p in ray_container(pod_specs(render.one("RayService"))["headgroup"])["ports"]
+    }
+    for endpoint in monitor["podMetricsEndpoints"]:
+        if endpoint["port"] not in head_ports:
+            problems.append(f"PodMonitor port {endpoint['port']} is declared nowhere")
+    return problems
+
+
+def test_monitoring_objects_are_observability_files(rendered):
+    assert monitoring_problems(rendered) == []
+
+
+def test_monitoring_check_catches_a_drifted_rule_and_an_unscraped_group(renders):
+    render = renders["production"]
+    docs = copy.deepcopy(list(render.docs))
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    rule["spec"]["groups"][0]["rules"].pop()
+    rayservice = next(d for d in docs if d["kind"] == "RayService")
+    pod_specs(rayservice)["cpu"]["containers"][0]["ports"] = []
+    assert monitoring_problems(Render(docs=tuple(docs))) == [
+        "PrometheusRule differs from forge-rules.yaml",
+        "cpu has no metrics port",
+    ]
+
+
+# --- kubernetes-validate and checkov ---------------------------------------------------------
+
+CORE_KINDS = {"ServiceAccount", "NetworkPolicy", "ConfigMap"}
+
+
+def write_docs(directory: Path, prefix: str, docs: list[dict]) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for doc in docs:
+        path = directory / f"{prefix}-{doc['kind'].lower()}-{doc['metadata']['name']}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        paths.append(path)
+    return paths
+
+
+def broken_pod(render: Render) -> dict:
+    """The GPU worker as a careless pod would be: privileged, root, no limits."""
+    (pod,) = [p for p in as_pods(render) if p["metadata"]["name"].endswith("gpu-t4")]
+    pod = copy.deepcopy(pod)
+    pod["metadata"]["name"] = "careless"
+    container = pod["spec"]["containers"][0]
+    container["securityContext"] = {"privileged": True, "allowPrivilegeEscalation": True}
+    del container["resources"]["limits"]
+    pod["spec"]["securityContext"] = {}
+    return pod
+
+
+@pytest.fixture(scope="session")
+def manifests(renders, tmp_path_factory) -> dict[str, list[Path]]:
+    """The rendered core kinds and the RayService's pods of both values files, and a broken pod."""
+    directory = tmp_path_factory.mktemp("manifests")
+    paths = []
+    for name in VALUES_FILES:
+        render = renders[name]
+        core = [d for d in render.docs if d["kind"] in CORE_KINDS]
+        paths += write_docs(directory / "chart", name, core + as_pods(render))
+    broken = write_docs(directory / "broken", "broken", [broken_pod(renders["production"])])
+    return {"chart": paths, "broken": broken}
+
+
+def test_core_kinds_and_pods_pass_kubernetes_validate(tools, manifests):
+    done = tools.run(
+        "kubernetes-validate", "--strict", "-k", KUBE_VERSION, *map(str, manifests["chart"])
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed for resource") == len(manifests["chart"])
+
+
+def test_kubernetes_validate_catches_a_misspelt_field(tools, renders, tmp_path):
+    (pod,) = [p for p in as_pods(renders["production"]) if p["metadata"]["name"].endswith("cpu")]
+    pod["spec"]["enableServiceLink"] = pod["spec"].pop("enableServiceLinks")
+    (path,) = write_docs(tmp_path, "misspelt", [pod])
+    done = tools.run("kubernetes-validate", "--strict", "-k", KUBE_VERSION, str(path))
+    assert done.returncode != 0
+    assert "enableServiceLink" in done.stdout + done.stderr
+
+
+@dataclass(frozen=True)
+class CheckovReport:
+    failures: dict[str, set[str]]  # failed check ids by file name
+    resources: int  # resources scanned
+    passed: int  # checks passed
+
+
+@pytest.fixture(scope="session")
+def checkov(tools, manifests) -> CheckovReport:
+    """One checkov run over everything (the chart's files and the broken pod)."""
+    root = manifests["chart"][0].parent.parent
+    done = tools.run(
+        "checkov",
+        "--directory",
+        str(root),
+        "--framework",
+        "kubernetes",
+        "--skip-download",
+        "--skip-results-upload",
+        "--quiet",
+        "--compact",
+        "--output",
+        "json",
+        "--skip-check",
+        ",".join(CHECKOV_SKIPS),
+    )
+    assert done.returncode in (0, 1), done.stderr
+    output = json.loads(done.stdout)  # a list when several frameworks report
+    (report,) = output if isinstance(output, list) else [output]
+    failures: dict[str, set[str]] = {}
+    for check in report["results"]["failed_checks"]:
+        failures.setdefault(Path(check["file_path"]).name, set()).add(check["check_id"])
+    summary = report["summary"]
+    return CheckovReport(failures, summary["resource_count"], summary["passed"])
+
+
+def test_checkov_passes_the_chart(checkov, manifests):
+    chart_files = {p.name for p in manifests["chart"]}
+    assert checkov.resources == len(manifests["chart"]) + len(manifests["broken"])
+    assert checkov.passed > 0
+    assert {name: ids for name, ids in checkov.failures.items() if name in chart_files} == {}
+
+
+def test_checkov_catches_a_careless_pod(checkov, manifests):
+    (broken,) = manifests["broken"]
+    failed = checkov.failures.get(broken.name, set())
+    # privileged, privilege escalation, no CPU / memory limits
+    assert {"CKV_K8S_16", "CKV_K8S_20", "CKV_K8S_11", "CKV_K8S_13"} <= failed, failed
