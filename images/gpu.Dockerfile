@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+# The GPU worker image: Forge with the `vllm` extra (vllm==0.32.0, pyproject.toml) on Ray's CUDA
+# image, for the spot T4 worker group (Turing, sm_75: fp16, configs/gke.yaml).
+#
+#   docker build -f images/gpu.Dockerfile -t forge-ray-vllm .              # from the repository root
+#
+# Base: Ray's GPU image at the pinned Ray release, Python 3.11 (its default CUDA 12 build). Pinned
+# by version; pin the digest too for a reproducible build (placeholder: none resolved offline):
+#   docker buildx imagetools inspect rayproject/ray:2.60.0-py311-gpu --format '{{json .Manifest.Digest}}'
+#   FROM rayproject/ray:2.60.0-py311-gpu@sha256:<that digest>
+# vLLM's wheel names the CUDA it was built for: keep the base's CUDA major in step with it
+# (a -cu12x tag of the same release pins that explicitly).
+FROM rayproject/ray:2.60.0-py311-gpu
+
+USER 1000
+# Made by that user (WORKDIR alone may create it as root): pip builds Forge in place here.
+RUN mkdir -p /home/ray/forge
+WORKDIR /home/ray/forge
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    RAY_USAGE_STATS_ENABLED=0
+
+# The same allow-listed context as images/gateway.Dockerfile (see .dockerignore).
+COPY --chown=1000:100 . .
+
+# The vllm extra's version is pinned in pyproject.toml (vllm==0.32.0); pip resolves it with Ray
+# held at the base image's release. The import check runs without a GPU (no CUDA call at import).
+# DL3013 wants `pkg==version` on the command line: here the package is this checkout and the
+# extra's pin lives in pyproject.toml, which hadolint cannot read.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[vllm]" \
+    && python -c "import serve_app.app, vllm"
