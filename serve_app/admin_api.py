@@ -7,6 +7,8 @@ documented surface instead:
 - ``GET /v1/usage`` (a tenant's key): that tenant's own usage;
 - ``GET /admin/usage`` (an admin key): every tenant's, with the configured prices;
 - ``GET /admin/breakers`` and ``POST /admin/breakers/reset`` (an admin key): the breaker board;
+- ``POST /admin/faults`` (an admin key): a fault injected on every replica of a pool, or
+  cleared (failover drills, the eval gate);
 - ``GET /openapi.json`` and ``/docs``: the schema of every route the gateway serves, the
   inference routes included (merged in from the wire types of ``serve_app/protocol.py``).
 
@@ -20,20 +22,22 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from serve_app import errors, metering
 from serve_app.auth import AdminKeys, KeyRing
+from serve_app.backends.base import PoolControl
 from serve_app.config import ForgeConfig, ModelPrice, TenantConfig
+from serve_app.faults import FaultSpec
 from serve_app.metering import UsageLedger
 from serve_app.openapi import BEARER, ErrorResponse, with_inference_routes
 from serve_app.resilience.client import BreakerClient
@@ -99,6 +103,20 @@ class BreakerView(BaseModel):
     probes_per_half_open: list[int]
 
 
+class FaultRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str = Field(description="The pool's name (configs: pools[].name), e.g. primary.")
+    fault: FaultSpec = Field(description='What to inject; {"mode": "none"} clears it.')
+
+
+class FaultsSet(BaseModel):
+    pool: str
+    replicas: dict[str, FaultSpec | None] = Field(
+        description="Each replica's fault now; null for a replica that could not be reached."
+    )
+
+
 class BreakerReset(BaseModel):
     backend: str | None = Field(
         None, description="primary, primary/<replica> or fallback; absent: every breaker."
@@ -148,9 +166,15 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def build_admin_api(
-    config: ForgeConfig, keyring: KeyRing, ledger: UsageLedger, breakers: BreakerClient
+    config: ForgeConfig,
+    keyring: KeyRing,
+    ledger: UsageLedger,
+    breakers: BreakerClient,
+    pools: Mapping[str, PoolControl] | None = None,
 ) -> FastAPI:
-    """The usage and admin routes, and ``/openapi.json`` for the whole gateway."""
+    """The usage and admin routes, and ``/openapi.json`` for the whole gateway. ``pools``: pool
+    name → its control, for fault injection."""
+    pools = pools or {}
     tenants = {t.name: t for t in config.tenants}
     app = FastAPI(
         title="Forge",
@@ -251,6 +275,31 @@ def build_admin_api(
         except Exception as exc:
             logger.warning("breaker board reset failed: %r", exc)
             raise errors.unavailable("Breaker board", "board_unavailable") from exc
+
+    @app.post(
+        "/admin/faults",
+        operation_id="inject_fault",
+        response_model=FaultsSet,
+        tags=["admin"],
+        responses=_errors(400, 404),
+        dependencies=[Depends(require_admin)],
+    )
+    async def inject_fault(body: Annotated[FaultRequest, Body()]) -> FaultsSet:
+        """Inject a fault on every replica of a pool (mode "none" clears it): what failover
+        drills and the eval gate use. Each replica's new fault, or null if it was not reached."""
+        pool = pools.get(body.pool)
+        if pool is None:
+            raise errors.ForgeError(
+                404,
+                f"No pool named {body.pool!r}; pools: {sorted(pools)}.",
+                type="invalid_request_error",
+                code="pool_not_found",
+                param="pool",
+            )
+        spec = body.fault.model_dump()
+        replicas = await pool.set_fault(None if body.fault.mode == "none" else spec)
+        logger.warning("admin: fault %s on pool %s (%d replicas)", spec, body.pool, len(replicas))
+        return FaultsSet(pool=body.pool, replicas=replicas)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

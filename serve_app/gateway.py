@@ -124,7 +124,10 @@ class Gateway:
             exception_handlers={HTTPException: http_error},
             lifespan=self.lifespan,
         )
-        app.router.default = build_admin_api(self.config, self.keyring, self.ledger, self.breakers)
+        pools = {name: b.pool for name, b in self.backends.items() if b.pool is not None}
+        app.router.default = build_admin_api(
+            self.config, self.keyring, self.ledger, self.breakers, pools
+        )
         return app
 
     async def chat_completions(self, request: Request) -> Response:

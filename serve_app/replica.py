@@ -216,7 +216,14 @@ class Replica:
         for name, gauge in self._gauges.items():
             gauge.set(stats[name])
 
-    def set_fault(self, spec: dict | None) -> dict:
+    def set_fault(
+        self, spec: dict | None, *, replica_id: str | None = None, request_id: str | None = None
+    ) -> dict | None:
+        """Inject (or with None clear) a fault. Through a pool's handle (``POST /admin/faults``)
+        the call names its replica, routed there by ``request_id``; another replica that gets it
+        (the named one is gone) changes nothing and answers None."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return None
         self.faults.spec = FaultSpec.model_validate(spec or {})
         set_slow = getattr(self.engine, "set_slow_factor", None)
         if set_slow is not None:

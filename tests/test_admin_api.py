@@ -35,6 +35,7 @@ ADMIN_ROUTES = [
     ("GET", "/admin/usage"),
     ("GET", "/admin/breakers"),
     ("POST", "/admin/breakers/reset"),
+    ("POST", "/admin/faults"),
 ]
 
 
@@ -121,7 +122,8 @@ async def test_admin_routes_want_an_admin_key(gateway: Gateway, method: str, pat
         )
         assert "admin key" in error["message"]
     async with http(gateway, ADMIN_KEY) as admin:
-        assert (await admin.request(method, path)).status_code == 200
+        body = {"pool": "primary", "fault": {"mode": "none"}} if path == "/admin/faults" else None
+        assert (await admin.request(method, path, json=body)).status_code == 200
 
 
 async def test_usage_wants_a_tenants_key_not_an_admin_key(gateway: Gateway):
@@ -326,6 +328,40 @@ async def test_an_unreachable_board_is_a_503(gateway: Gateway, board: BreakerBoa
 
 
 # -- routing ---------------------------------------------------------------------------------
+
+
+async def test_a_fault_is_injected_on_every_replica_of_a_pool_and_cleared(gateway: Gateway):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with http(gateway, ADMIN_KEY) as admin, http(gateway, ALPHA_KEY) as tenant:
+        injected = await admin.post(
+            "/admin/faults", json={"pool": "primary", "fault": {"mode": "error"}}
+        )
+        assert injected.status_code == 200, injected.text
+        replicas = injected.json()["replicas"]
+        assert replicas and all(f["mode"] == "error" for f in replicas.values())
+        failed = await tenant.post("/v1/chat/completions", json=chat)
+        assert failed.status_code == 502  # no fallback configured here: the fault shows
+        cleared = await admin.post(
+            "/admin/faults", json={"pool": "primary", "fault": {"mode": "none"}}
+        )
+        assert all(f["mode"] == "none" for f in cleared.json()["replicas"].values())
+        assert (await tenant.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"pool": "nope", "fault": {"mode": "error"}}, 404, "pool"),
+        ({"pool": "primary", "fault": {"mode": "explode"}}, 400, "fault.mode"),
+        ({"pool": "primary", "fault": {"mode": "slow", "factor": 0.5}}, 400, "fault.factor"),
+        ({"pool": "primary"}, 400, "fault"),
+    ],
+)
+async def test_a_bad_fault_is_refused_naming_the_field(gateway: Gateway, body, status, param):
+    async with http(gateway, ADMIN_KEY) as admin:
+        answer = await admin.post("/admin/faults", json=body)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize(

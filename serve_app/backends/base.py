@@ -76,6 +76,11 @@ class PoolControl(Protocol):
         (once; None if it was never routed)."""
         ...
 
+    async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
+        """Inject ``spec`` (``faults.FaultSpec``; None clears) on every replica of the pool:
+        replica id → the spec it now has, or None if it could not be reached."""
+        ...
+
     async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
         """The engine's ``usage`` of a stream the gateway abandoned on ``replica_id`` (the
         client left, or it failed mid-way), or None if the replica cannot tell in time."""

@@ -93,6 +93,9 @@ class LocalPoolBackend(BridgedPool):
         except EngineError as exc:
             raise errors.bad_gateway(f"The model replica failed: {exc}") from exc
 
+    async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
+        return {rid: replica.set_fault(spec) for rid, replica in sorted(self.replicas.items())}
+
     async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
         replica = self.replicas.get(replica_id)
         if replica is None:

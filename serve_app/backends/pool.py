@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -152,6 +153,24 @@ class PoolBackend(BridgedPool):
         except TimeoutError:
             raise errors.upstream_timeout("No model replica took the request in time.") from None
 
+    async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
+        """Each replica the router knows, by a call pinned to it (as ``abandoned_usage``)."""
+        results: dict[str, dict | None] = {}
+        for replica_id in sorted(self.bridge.replica_ids or ()):
+            request_id = f"admin-fault-{uuid.uuid4().hex}"
+            self.bridge.pinned[request_id] = replica_id
+            try:
+                call = self._handle.set_fault.remote(
+                    spec, replica_id=replica_id, request_id=request_id
+                )
+                results[replica_id] = await asyncio.wait_for(asyncio.shield(call), 10.0)
+            except Exception as exc:
+                logger.warning("fault on %s/%s not set: %r", self.name, replica_id, exc)
+                results[replica_id] = None
+            finally:
+                self.bridge.pinned.pop(request_id, None)
+        return results
+
     async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
         """Asked of that very replica (the router obeys ``bridge.pinned``); None when it is
         gone or slow, and the gateway charges its estimate.
@@ -162,8 +181,8 @@ class PoolBackend(BridgedPool):
         assignment, blocking the event loop (``DeploymentResponse.cancel``); the replica
         answers within ``ABANDONED_WAIT_S`` anyway.
         """
-        if replica_id not in (self.bridge.replica_ids or ()):
-            return None  # gone already (it died mid-stream): nobody to ask
+        if not self.replica_count():
+            return None  # no replica at all (it died mid-stream, the pool is at zero)
         self.bridge.pinned[request_id] = replica_id
         try:
             call = self._handle.abandoned_usage.remote(

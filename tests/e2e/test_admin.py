@@ -52,3 +52,38 @@ def test_the_schema_lists_the_inference_and_admin_routes(forge_url):
     paths = httpx.get(f"{forge_url}/openapi.json", timeout=10).json()["paths"]
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage"} <= set(paths)
     assert {"/admin/usage", "/admin/breakers", "/admin/breakers/reset"} <= set(paths)
+
+
+def test_a_fault_injected_through_the_admin_api_fails_the_pool_over(forge_url):
+    """POST /admin/faults reaches every replica of the pool (a call pinned to each through the
+    pool's router), what the eval gate's failover drill does."""
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+    def fault(mode: str) -> dict:
+        answer = httpx.post(
+            f"{forge_url}/admin/faults",
+            json={"pool": "metered", "fault": {"mode": mode}},
+            headers=admin,
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()["replicas"]
+
+    def served_by() -> str:
+        answer = httpx.post(
+            f"{forge_url}/v1/chat/completions",
+            json={"model": "forge-metered", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {ALPHA_KEY}"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-forge-backend"]
+
+    try:
+        replicas = fault("error")
+        assert len(replicas) == 2 and all(f["mode"] == "error" for f in replicas.values())
+        assert served_by() == "fallback"
+    finally:
+        cleared = fault("none")
+    assert all(f["mode"] == "none" for f in cleared.values())
+    assert served_by() == "metered"

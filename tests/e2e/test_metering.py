@@ -43,6 +43,11 @@ def engine_counts(forge_url: str) -> dict[str, int]:
     }
 
 
+def metered_pool_idle() -> bool:
+    stats = replica_admin.all_stats(APP, f"pool-{METERED_POOL}")
+    return all(s["num_requests_running"] + s["num_requests_waiting"] == 0 for s in stats)
+
+
 def report(forge_url: str) -> dict[str, int]:
     """The tenant's usage today, all models summed, from the admin API."""
     today = dt.datetime.now(dt.UTC).date().isoformat()
@@ -154,10 +159,17 @@ def test_usage_equals_the_backends_own_counts_exactly(forge_url, metrics_port, f
         what=f"the usage report to count the {sent} requests sent",
         explain=lambda: delta(report(forge_url), report_before),
     )
+    # The ground truth is final once no generation is left on the metered pool (a stream whose
+    # client left is aborted on its replica a moment after the gateway noticed).
+    eventually(
+        lambda: metered_pool_idle(),
+        timeout_s=30,
+        what="the metered pool's engines to have nothing running or waiting",
+    )
     used = delta(report(forge_url), report_before)
     generated = delta(engine_counts(forge_url), engines_before)
-    assert used["prompt_tokens"] == generated["prompt_tokens"]
-    assert used["completion_tokens"] == generated["completion_tokens"]
+    assert used["prompt_tokens"] == generated["prompt_tokens"], (used, generated)
+    assert used["completion_tokens"] == generated["completion_tokens"], (used, generated)
     assert used["cached_requests"] == CACHED
     assert used["cached_tokens"] > 0
     assert used["fallback_requests"] == FAILED_OVER
