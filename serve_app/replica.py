@@ -169,7 +169,7 @@ class Replica:
         yield await self.complete(body, kind, request_id, trace_context)
 
     async def abandoned_usage(
-        self, request_id: str, replica_id: str | None = None, wait_s: float = 1.0
+        self, wait_s: float = 1.0, *, request_id: str, replica_id: str | None = None
     ) -> dict | None:
         """What an aborted stream of this replica cost (OpenAI ``usage``), once: the gateway
         asks right after its client left, to charge exactly what the engine produced. Asked

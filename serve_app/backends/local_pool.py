@@ -100,7 +100,9 @@ class LocalPoolBackend(BridgedPool):
         replica = self.replicas.get(replica_id)
         if replica is None:
             return None
-        return await replica.abandoned_usage(request_id, replica_id, ABANDONED_WAIT_S)
+        return await replica.abandoned_usage(
+            ABANDONED_WAIT_S, request_id=request_id, replica_id=replica_id
+        )
 
     async def ready(self) -> bool:
         return bool(self.replicas)

@@ -154,43 +154,41 @@ class PoolBackend(BridgedPool):
             raise errors.upstream_timeout("No model replica took the request in time.") from None
 
     async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
-        """Each replica the router knows, by a call pinned to it (as ``abandoned_usage``)."""
-        results: dict[str, dict | None] = {}
-        for replica_id in sorted(self.bridge.replica_ids or ()):
-            request_id = f"admin-fault-{uuid.uuid4().hex}"
-            self.bridge.pinned[request_id] = replica_id
-            try:
-                call = self._handle.set_fault.remote(
-                    spec, replica_id=replica_id, request_id=request_id
-                )
-                results[replica_id] = await asyncio.wait_for(asyncio.shield(call), 10.0)
-            except Exception as exc:
-                logger.warning("fault on %s/%s not set: %r", self.name, replica_id, exc)
-                results[replica_id] = None
-            finally:
-                self.bridge.pinned.pop(request_id, None)
-        return results
+        """Each replica the router knows, by a call pinned to it."""
+        return {
+            replica_id: await self._pinned(
+                replica_id, f"admin-fault-{uuid.uuid4().hex}", "set_fault", 10.0, spec
+            )
+            for replica_id in sorted(self.bridge.replica_ids or ())
+        }
 
     async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
-        """Asked of that very replica (the router obeys ``bridge.pinned``); None when it is
-        gone or slow, and the gateway charges its estimate.
-
-        A call is never left waiting for a replica that is gone: the router then sends it to
-        any replica, which answers None for a request it did not serve. And it is not
-        cancelled when slow: cancelling a call Serve has not yet assigned waits for the
-        assignment, blocking the event loop (``DeploymentResponse.cancel``); the replica
-        answers within ``ABANDONED_WAIT_S`` anyway.
-        """
+        """Asked of that very replica; None when it is gone or slow, and the gateway charges
+        its estimate."""
         if not self.replica_count():
             return None  # no replica at all (it died mid-stream, the pool is at zero)
+        return await self._pinned(
+            replica_id, request_id, "abandoned_usage", ABANDONED_WAIT_S + 1.5, ABANDONED_WAIT_S
+        )
+
+    async def _pinned(self, replica_id: str, request_id: str, method: str, timeout_s: float, *args):
+        """``method(*args, replica_id=, request_id=)`` on that replica: the pool's router obeys
+        ``bridge.pinned``; None if it fails or is late.
+
+        A call is never left waiting for a replica that is gone: the router then sends it to
+        any replica, which answers None for a replica id not its own. And it is not cancelled
+        when late: cancelling a call Serve has not yet assigned waits for the assignment,
+        blocking the event loop (``DeploymentResponse.cancel``); the replica methods answer
+        within their own bound anyway.
+        """
         self.bridge.pinned[request_id] = replica_id
         try:
-            call = self._handle.abandoned_usage.remote(
-                request_id=request_id, replica_id=replica_id, wait_s=ABANDONED_WAIT_S
+            call = getattr(self._handle, method).remote(
+                *args, replica_id=replica_id, request_id=request_id
             )
-            return await asyncio.wait_for(asyncio.shield(call), ABANDONED_WAIT_S + 1.5)
-        except Exception as exc:  # TimeoutError, the replica died: an estimate it is
-            logger.info("usage of abandoned %s not collected: %s", request_id, type(exc).__name__)
+            return await asyncio.wait_for(asyncio.shield(call), timeout_s)
+        except Exception as exc:  # TimeoutError, the replica died
+            logger.info("%s on %s/%s failed: %r", method, self.name, replica_id, exc)
             return None
         finally:
             self.bridge.pinned.pop(request_id, None)
