@@ -117,8 +117,10 @@ class EventStream(StreamingResponse):
 
     async def _end(self) -> None:
         try:
-            # A generation nobody will read is aborted. Bounded: what follows must happen.
-            await asyncio.wait_for(self._close_source(), _CLOSE_SOURCE_S)
+            # A generation nobody will read is aborted. ``close_source`` bounds its own waits
+            # (the replica's count of an abandoned stream: ~2.5 s at most), so no timer here:
+            # every stream would pay a task for it.
+            await self._close_source()
         except Exception:
             logger.exception("closing a stream's source failed")
         finally:
@@ -128,9 +130,6 @@ class EventStream(StreamingResponse):
             _run_all(callbacks, self._completed)
 
 
-# Closing a stream's source (the abort, and the replica's count of what it generated) is given
-# this long before the end-of-response work goes ahead without it.
-_CLOSE_SOURCE_S = 10.0
 # Streams' endings still running after their request was cancelled (kept from the collector).
 _ending: set[asyncio.Future] = set()
 
