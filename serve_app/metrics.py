@@ -84,11 +84,12 @@ class ForgeMetrics:
             "and cached (answered from the response cache).",
             *("tenant", "model", "kind"),
         )
-        self.metered = counter(
-            "forge_metered_requests_total",
-            "Metered requests by tenant, model and counter (requests, cached_requests, "
-            "fallback_requests, estimated_requests, errors_<class>), as the usage report.",
-            *("tenant", "model", "counter"),
+        # The rest of a usage record (requests, errors, cached, fallback) is forge_requests_total
+        # by status and backend already: only what that cannot say is counted again.
+        self.estimated = counter(
+            "forge_usage_estimated_total",
+            "Requests charged the gateway's estimate because no backend reported usage.",
+            *("tenant", "model"),
         )
         self.cache = counter(
             "forge_cache_requests_total",
@@ -192,14 +193,14 @@ class ForgeMetrics:
             self.tpot.observe((duration_s - ttft_s) / (completion - 1), tags=timing_tags)
 
     def meter(self, record: UsageRecord) -> None:
+        """A usage record's tokens by kind (prompt, completion, cached), and whether they were
+        estimated; its request counts are forge_requests_total's (``record``)."""
+        tags = {"tenant": record.tenant, "model": record.model}
         for name, value in record.counts.items():
-            if not value:
-                continue
-            tags = {"tenant": record.tenant, "model": record.model}
-            if name.endswith("_tokens"):
+            if value and name.endswith("_tokens"):
                 self.tokens.inc(value, tags={**tags, "kind": name.removesuffix("_tokens")})
-            else:
-                self.metered.inc(value, tags={**tags, "counter": name})
+        if record.counts.get("estimated_requests"):
+            self.estimated.inc(tags=tags)
 
 
 def _count(usage: dict | None, field: str) -> int:

@@ -97,7 +97,8 @@ def test_a_refusal_before_the_first_byte_is_charged_nothing():
 async def test_a_report_sums_days_and_models_and_filters_by_model():
     ledger = UsageLedger(MemoryStore(), retention_days=30)
     for day, model, n in [("2026-11-29", "a", 1), ("2026-11-30", "a", 2), ("2026-11-30", "b", 4)]:
-        await ledger.record(UsageRecord("t", model, day, {"requests": n, "prompt_tokens": 10 * n}))
+        ledger.add(UsageRecord("t", model, day, {"requests": n, "prompt_tokens": 10 * n}))
+        await ledger.flush()
     start, end = dt.date(2026, 11, 29), dt.date(2026, 11, 30)
     by_day = await ledger.read(["t"], start, end)
     assert [(r.day, r.model, r["requests"]) for r in by_day] == [
@@ -118,7 +119,8 @@ async def test_usage_is_kept_for_the_retention_period_and_no_longer():
     now = [0.0]
     store = MemoryStore(clock=lambda: now[0])
     ledger = UsageLedger(store, retention_days=2)
-    await ledger.record(UsageRecord("t", "m", "2026-11-30", {"requests": 1}))
+    ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1}))
+    await ledger.flush()
     now[0] = 2 * 86_400 - 1
     assert await store.read_counts([usage_key("t", "2026-11-30")]) == [{"requests|m": 1}]
     now[0] = 2 * 86_400 + 1
@@ -350,4 +352,4 @@ async def test_with_the_store_down_requests_are_served_and_the_failed_write_coun
             timeout_s=5,
             what="the record the store lost to be counted",
         )
-    assert {"tenant": "other", "model": MODEL, "counter": "requests"} in metrics.metered.calls
+    assert {"tenant": "other", "model": MODEL, "kind": "prompt"} in metrics.tokens.calls

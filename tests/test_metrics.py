@@ -8,7 +8,7 @@ from serve_app.metering import UsageRecord
 from serve_app.metrics import ForgeMetrics
 from tests.doubles import Counter
 
-SERIES = ("requests", "ttft", "tpot", "duration", "truncated", "tokens", "metered")
+SERIES = ("requests", "ttft", "tpot", "duration", "truncated", "tokens", "estimated")
 
 
 @pytest.fixture
@@ -44,13 +44,14 @@ def test_a_stream_gives_ttft_tpot_and_duration_by_model(metrics):
     assert metrics.tokens.calls == []  # tokens are metering's: one record, two views
 
 
-def test_a_usage_record_counts_tokens_by_kind_and_the_rest_by_counter(metrics):
+def test_a_usage_record_counts_tokens_by_kind_and_an_estimate_apart(metrics):
     counts = {"requests": 1, "prompt_tokens": 7, "completion_tokens": 11, "cached_tokens": 0}
     metrics.meter(UsageRecord("acme", "forge-sim", "2026-11-30", counts))
     kinds = [call["kind"] for call in metrics.tokens.calls]
     assert dict(zip(kinds, metrics.tokens.values, strict=True)) == {"prompt": 7, "completion": 11}
-    requests = {"tenant": "acme", "model": "forge-sim", "counter": "requests"}
-    assert metrics.metered.calls == [requests]
+    assert metrics.estimated.calls == []  # requests: forge_requests_total counts them already
+    metrics.meter(UsageRecord("acme", "forge-sim", "2026-11-30", {"estimated_requests": 1}))
+    assert metrics.estimated.calls == [{"tenant": "acme", "model": "forge-sim"}]
 
 
 def test_a_truncated_stream_is_counted_apart_from_a_client_leaving(metrics):
