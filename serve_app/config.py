@@ -12,12 +12,12 @@ from collections import Counter
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -30,6 +30,18 @@ def is_key_hash(value: object) -> bool:
     """A lowercase SHA-256 hex digest, the only form an API key is ever stored in."""
     return isinstance(value, str) and _SHA256.match(value) is not None
 
+
+def _key_hashes(hashes: list[str]) -> list[str]:
+    if not all(is_key_hash(h) for h in hashes):
+        raise ValueError(
+            "each key hash must be a lowercase SHA-256 hex digest (64 chars); "
+            "run `forge keys new --tenant NAME` to make one"
+        )
+    return hashes
+
+
+# API keys as stored: SHA-256 digests only (tenants' and operators').
+KeyHashes = Annotated[list[str], AfterValidator(_key_hashes)]
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -58,24 +70,13 @@ class TenantConfig(_Strict):
     queue_cap: Annotated[int, Field(ge=0)] | None = None
     # SHA-256 hex digests of the tenant's API keys; two while a key is rotated. May be empty
     # when the tenant's hashes come from the mounted ``key_hashes_file``.
-    key_hashes: list[str] = Field(default_factory=list)
+    key_hashes: KeyHashes = Field(default_factory=list)
     weight: Annotated[float, Field(gt=0)] = 1.0
     limits: TenantLimits = TenantLimits()
     # Whose cached answers this tenant may be served: its own only ("tenant"), or those of every
     # tenant that also chose "shared" (same prompts, same model, one answer: cheaper, but a
     # tenant can then tell what another asked before).
     cache_scope: Literal["tenant", "shared"] = "tenant"
-
-    @field_validator("key_hashes")
-    @classmethod
-    def _hex_digests(cls, hashes: list[str]) -> list[str]:
-        for h in hashes:
-            if not is_key_hash(h):
-                raise ValueError(
-                    "each key hash must be a lowercase SHA-256 hex digest (64 chars); "
-                    "run `forge keys new --tenant NAME` to make one"
-                )
-        return hashes
 
 
 class SimulatedEngineConfig(_Strict):
@@ -338,19 +339,9 @@ class MeteringConfig(_Strict):
 class AdminConfig(_Strict):
     """Operators' keys for ``/admin/*`` (kept as SHA-256 digests, like tenants' keys)."""
 
-    key_hashes: list[str] = Field(default_factory=list)
+    key_hashes: KeyHashes = Field(default_factory=list)
     # A mounted secret with more: YAML or JSON ``[sha256, ...]``.
     key_hashes_file: str | None = None
-
-    @field_validator("key_hashes")
-    @classmethod
-    def _hex_digests(cls, hashes: list[str]) -> list[str]:
-        if not all(is_key_hash(h) for h in hashes):
-            raise ValueError(
-                "each admin key hash must be a lowercase SHA-256 hex digest (64 chars); "
-                "run `forge keys new --tenant admin` to make one"
-            )
-        return hashes
 
 
 class StoreConfig(_Strict):
