@@ -175,11 +175,6 @@ class UsageLedger:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush_soon())
 
-    async def record(self, record: UsageRecord) -> None:
-        """Queue a record and write it now (tests, tools). Raises ``StoreError``."""
-        self.add(record)
-        await self.flush(raise_errors=True)
-
     @property
     def queued(self) -> int:
         """Tenant-days with counts not yet confirmed by the store."""
@@ -190,7 +185,7 @@ class UsageLedger:
             await asyncio.sleep(self.flush_s)
             await self.flush()
 
-    async def flush(self, *, raise_errors: bool = False) -> None:
+    async def flush(self) -> None:
         """Send what is queued; a write that fails stays queued for the next flush."""
         async with self._lock:
             # A write keeps its id and counts until the store confirms it (a retry must be the
@@ -204,8 +199,6 @@ class UsageLedger:
                 except StoreError as exc:
                     if self.on_error is not None:
                         self.on_error(exc)
-                    if raise_errors:
-                        raise
                     return  # the store is struggling: the rest waits for the next flush
                 del self._unconfirmed[key]
 

@@ -96,7 +96,8 @@ def assert_error(response: httpx.Response, status: int, type: str, code: str | N
 
 
 async def record(gateway: Gateway, tenant: str, model: str, day: str, **counts: int) -> None:
-    await gateway.ledger.record(UsageRecord(tenant, model, day, counts))
+    gateway.ledger.add(UsageRecord(tenant, model, day, counts))
+    await gateway.ledger.flush()
 
 
 def today() -> str:

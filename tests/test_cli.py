@@ -66,8 +66,13 @@ def forge_url() -> Iterator[str]:
         UsageRecord("beta", MODEL, DAY, {"requests": 1, "prompt_tokens": 250_000}),
         UsageRecord("beta", UNPRICED, DAY, {"requests": 2, "prompt_tokens": 10}),
     ]
-    for record in records:
-        asyncio.run(gateway.ledger.record(record))
+
+    async def write() -> None:
+        for record in records:
+            gateway.ledger.add(record)
+        await gateway.ledger.flush()
+
+    asyncio.run(write())
     server = uvicorn.Server(
         uvicorn.Config(gateway.asgi_app(), host="127.0.0.1", port=0, log_level="warning")
     )
