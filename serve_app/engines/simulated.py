@@ -17,7 +17,8 @@ import orjson
 from serve_app import errors, tokenizer
 from serve_app.config import SimulatedEngineConfig
 from serve_app.engines.base import AbandonedUsage, Engine, EngineStats, Kind, Usage
-from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig
+from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
+from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
 from serve_app.protocol import prompt_text
 
 
@@ -46,10 +47,12 @@ class SimulatedEngine(Engine):
         """Nothing to load: the scheduler loop starts with the first request."""
 
     def _generate(self, body: dict, kind: Kind, request_id: str):
-        """Validate like vLLM (400 for what can never fit) and start the token stream."""
+        """Validate like vLLM (400 for what can never fit) and start the token stream, shaped
+        by ``stop`` and ``response_format`` (``output_rules.py``)."""
         ids, max_tokens = self._prepare(body, kind)
         # Client request ids may repeat; the engine's must not (vLLM suffixes them too).
         self._serial += 1
+        stopped = _StopFlag()
         try:
             tokens = self.llm.generate(
                 f"{request_id}-{self._serial}",
@@ -57,11 +60,12 @@ class SimulatedEngine(Engine):
                 max_tokens,
                 seed_text=None if body.get("seed") is None else str(body["seed"]),
                 ignore_eos=bool(body.get("ignore_eos")),
-                on_abort=lambda usage: self.abandoned.record(request_id, usage),
+                # A stop string ends the generation by aborting it: finished, not abandoned.
+                on_abort=lambda usage: stopped or self.abandoned.record(request_id, usage),
             )
         except ValueError as exc:
             raise errors.invalid_request(str(exc), code="context_length_exceeded") from None
-        return ids, tokens
+        return ids, _shaped(tokens, body, stopped)
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
         field = "messages" if kind == "chat" else "prompt"
@@ -94,14 +98,15 @@ class SimulatedEngine(Engine):
         completion_tokens = cached = 0
         # Closing this stream must abort the request now, not when the GC finalises `tokens`.
         async with contextlib.aclosing(tokens):
-            async for out in tokens:
+            async for text, finish_reason, cached_now in tokens:
+                cached = cached_now
                 if completion_tokens == 0 and kind == "chat":
                     yield chunk.role()  # like vLLM: with the first token, after prefill
                 completion_tokens += 1
-                cached = out.num_cached_tokens
-                yield chunk.token(out.text)
-                if out.finish_reason is not None:
-                    yield chunk.finish(out.finish_reason)
+                if text:
+                    yield chunk.token(text)
+                if finish_reason is not None:
+                    yield chunk.finish(finish_reason)
         usage = Usage(len(ids), completion_tokens, cached)
         if include_usage:
             yield chunk.usage(usage)
@@ -112,11 +117,14 @@ class SimulatedEngine(Engine):
         pieces: list[str] = []
         finish_reason = "stop"
         cached = 0
-        async for out in tokens:
-            pieces.append(out.text)
-            cached = out.num_cached_tokens
-            finish_reason = out.finish_reason or finish_reason
-        usage = Usage(len(ids), len(pieces), cached)
+        completion_tokens = 0
+        async with contextlib.aclosing(tokens):
+            async for text, reason, cached_now in tokens:
+                cached = cached_now
+                pieces.append(text)
+                completion_tokens += 1
+                finish_reason = reason or finish_reason
+        usage = Usage(len(ids), completion_tokens, cached)
         text = "".join(pieces)
         if kind == "chat":
             choice = {
@@ -163,6 +171,44 @@ class SimulatedEngine(Engine):
 
     async def shutdown(self) -> None:
         await self.llm.close()
+
+
+class _StopFlag:
+    """Set when a stop string ended a generation (its abort is no abandonment)."""
+
+    __slots__ = ("set",)
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __bool__(self) -> bool:
+        return self.set
+
+
+async def _shaped(
+    tokens: AsyncIterator[TokenOutput], body: dict, stopped: _StopFlag
+) -> AsyncIterator[tuple[str, str | None, int]]:
+    """Per generated token: the text that goes out, its finish reason and the cached prompt
+    tokens, with JSON mode's wrapping and stop strings applied."""
+    shape = JsonShape.of(body)
+    matcher = StopMatcher(stop_strings(body))
+    first = True
+    async with contextlib.aclosing(tokens):
+        async for out in tokens:
+            text = out.text
+            if shape is not None:
+                text = (shape.opening if first else "") + shape.escape(text)
+                if out.finish_reason == "stop":
+                    text += shape.closing
+            first = False
+            text, hit = matcher.feed(text)
+            if hit:
+                stopped.set = True  # closing `tokens` below aborts the rest of the generation
+                yield text, "stop", out.num_cached_tokens
+                return
+            if out.finish_reason is not None:
+                text += matcher.flush()
+            yield text, out.finish_reason, out.num_cached_tokens
 
 
 class _ChunkFormat:
