@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request
@@ -117,6 +117,29 @@ class FaultsSet(BaseModel):
     )
 
 
+class StoreStatus(BaseModel):
+    kind: Literal["redis", "embedded"]
+    state: Literal["closed", "half_open", "open"] = Field(
+        description="The store's breaker in this gateway replica: open while it skips the store."
+    )
+    errors: dict[str, int] = Field(
+        description="Store calls this replica counted as failed, by op (forge_store_errors_total)."
+    )
+
+
+class PoolStatus(BaseModel):
+    name: str
+    model: str
+    replicas: int | None = Field(description="Replicas that can take a request; null: unknown.")
+    fallback: bool = Field(description="Whether the fallback serves when this pool cannot.")
+
+
+class GatewayStatus(BaseModel):
+    store: StoreStatus
+    pools: list[PoolStatus]
+    fallback: str | None = Field(description="The fallback's model, if one is configured.")
+
+
 class BreakerReset(BaseModel):
     backend: str | None = Field(
         None, description="primary, primary/<replica> or fallback; absent: every breaker."
@@ -171,9 +194,10 @@ def build_admin_api(
     ledger: UsageLedger,
     breakers: BreakerClient,
     pools: Mapping[str, PoolControl] | None = None,
+    status: Callable[[], dict] | None = None,
 ) -> FastAPI:
     """The usage and admin routes, and ``/openapi.json`` for the whole gateway. ``pools``: pool
-    name → its control, for fault injection."""
+    name → its control, for fault injection; ``status``: what ``/admin/status`` shows."""
     pools = pools or {}
     tenants = {t.name: t for t in config.tenants}
     app = FastAPI(
@@ -241,6 +265,20 @@ def build_admin_api(
             currency=config.metering.currency,
             prices=dict(config.metering.prices),
         )
+
+    @app.get(
+        "/admin/status",
+        operation_id="gateway_status",
+        response_model=GatewayStatus,
+        tags=["admin"],
+        dependencies=[Depends(require_admin)],
+    )
+    async def gateway_status() -> dict:
+        """The answering gateway replica's view: its store (kind, breaker, errors counted) and
+        each pool's replicas. Each gateway replica keeps its own counts."""
+        if status is None:
+            return {"store": {"kind": "embedded", "state": "closed", "errors": {}}, "pools": []}
+        return status()
 
     @app.get(
         "/admin/breakers",

@@ -56,6 +56,7 @@ class Gateway:
             else None
         )
         self.keyring = parts.keyring
+        self.metrics = parts.metrics
         routes = model_routes(config, self.backends)
         self.models = list(routes)
         store_failed = StoreFailures(parts.metrics, "usage kept queued, retried")
@@ -126,7 +127,7 @@ class Gateway:
         )
         pools = {name: b.pool for name, b in self.backends.items() if b.pool is not None}
         app.router.default = build_admin_api(
-            self.config, self.keyring, self.ledger, self.breakers, pools
+            self.config, self.keyring, self.ledger, self.breakers, pools, status=self.status
         )
         return app
 
@@ -138,6 +139,28 @@ class Gateway:
 
     async def list_models(self, request: Request) -> Response:
         return await self.pipeline.listing(RequestContext(request, "models"))
+
+    def status(self) -> dict:
+        """What ``GET /admin/status`` shows of this gateway replica: its store, the store errors
+        it counted, and each pool's replicas as its router knows them."""
+        breaker = getattr(self.store, "state", None)  # a guarded store's breaker (Redis)
+        return {
+            "store": {
+                "kind": "redis" if self.config.store.shared else "embedded",
+                "state": breaker.name.lower() if breaker is not None else "closed",
+                "errors": dict(self.metrics.store_errors_seen),
+            },
+            "pools": [
+                {
+                    "name": pool.name,
+                    "model": pool.model,
+                    "replicas": self.backends[pool.name].pool.replica_count(),
+                    "fallback": pool.fallback and "fallback" in self.backends,
+                }
+                for pool in self.config.pools
+            ],
+            "fallback": self.config.fallback.model if self.config.fallback else None,
+        }
 
     async def healthz(self, request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=_JSON)

@@ -8,6 +8,7 @@ series is one line wherever it lives.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -117,6 +118,9 @@ class ForgeMetrics:
             "Store calls that failed or were skipped (store known down), by op.",
             "op",
         )
+        # The same count, readable in-process: GET /admin/status reports it, so a gate can see
+        # a Redis loss was counted without a Prometheus to ask.
+        self.store_errors_seen: Tally[str] = Tally()
         self.unmetered = counter(
             "forge_unmetered_total",
             "Requests served without a budget check because the store failed.",

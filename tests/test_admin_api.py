@@ -33,6 +33,7 @@ FAST = {"prefill_base_s": 0.0, "decode_base_s": 0.0, "output_tokens_min": 4, "ou
 PRICE = {"prompt_per_million": 2.0, "completion_per_million": 8.0, "cached_per_million": 0.5}
 ADMIN_ROUTES = [
     ("GET", "/admin/usage"),
+    ("GET", "/admin/status"),
     ("GET", "/admin/breakers"),
     ("POST", "/admin/breakers/reset"),
     ("POST", "/admin/faults"),
@@ -326,6 +327,40 @@ async def test_an_unreachable_board_is_a_503(gateway: Gateway, board: BreakerBoa
     async with http(gateway, ADMIN_KEY) as admin:
         response = await admin.get("/admin/breakers")
     assert_error(response, 503, "api_error", "board_unavailable")
+
+
+# -- status ----------------------------------------------------------------------------------
+
+
+async def test_status_shows_the_store_its_errors_and_each_pools_replicas():
+    """A gate reads here whether a Redis is configured and that its loss was counted."""
+
+    class DownStore(MemoryStore):
+        async def take(self, buckets, amounts):
+            raise StoreUnavailable("redis down (test)")
+
+    args = forge_args(store={"redis_url": "redis://127.0.0.1:1/0"})
+    args["tenants"][0]["limits"] = {"rpm": 100}
+    gateway = build_local_gateway(load_config(args), store=DownStore())
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with gateway.lifespan(), http(gateway, ADMIN_KEY) as admin:
+        before = (await admin.get("/admin/status")).json()
+        async with http(gateway, ALPHA_KEY) as alpha:
+            served = await alpha.post("/v1/chat/completions", json=chat)
+        after = (await admin.get("/admin/status")).json()
+    assert served.status_code == 200, served.text  # the store fails open
+    assert before["store"] == {"kind": "redis", "state": "closed", "errors": {}}
+    assert after["store"]["errors"]["reserve"] >= 1
+    assert after["pools"] == [
+        {"name": "primary", "model": MODEL, "replicas": 1, "fallback": False}
+    ]
+    assert after["fallback"] is None
+
+
+async def test_status_says_embedded_where_no_redis_is_configured(gateway: Gateway):
+    async with http(gateway, ADMIN_KEY) as admin:
+        status = (await admin.get("/admin/status")).json()
+    assert status["store"]["kind"] == "embedded"
 
 
 # -- routing ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class StoreFailures:
 
     def __call__(self, op: str, exc: StoreError) -> None:
         self.metrics.store_errors.inc(tags={"op": op})
+        self.metrics.store_errors_seen[op] += 1
         now = time.monotonic()
         if now - self._last_warning >= WARN_EVERY_S:
             self._last_warning = now
