@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request
@@ -127,11 +127,22 @@ class StoreStatus(BaseModel):
     )
 
 
+class AdmissionStatus(BaseModel):
+    slots_total: int
+    slots_used: int = Field(description="Slots held, parked ones included.")
+    parked: int = Field(description="Slots gateways hold warm for their next request.")
+    queued: dict[str, int] = Field(description="Requests waiting for a slot, by tenant.")
+    inflight: dict[str, int] = Field(description="Slots serving a request, by tenant.")
+
+
 class PoolStatus(BaseModel):
     name: str
     model: str
     replicas: int | None = Field(description="Replicas that can take a request; null: unknown.")
     fallback: bool = Field(description="Whether the fallback serves when this pool cannot.")
+    admission: AdmissionStatus | None = Field(
+        None, description="Fair admission's slots (pools with admission; null: none or unknown)."
+    )
 
 
 class GatewayStatus(BaseModel):
@@ -194,7 +205,7 @@ def build_admin_api(
     ledger: UsageLedger,
     breakers: BreakerClient,
     pools: Mapping[str, PoolControl] | None = None,
-    status: Callable[[], dict] | None = None,
+    status: Callable[[], Awaitable[dict]] | None = None,
 ) -> FastAPI:
     """The usage and admin routes, and ``/openapi.json`` for the whole gateway. ``pools``: pool
     name → its control, for fault injection; ``status``: what ``/admin/status`` shows."""
@@ -278,7 +289,7 @@ def build_admin_api(
         each pool's replicas. Each gateway replica keeps its own counts."""
         if status is None:
             return {"store": {"kind": "embedded", "state": "closed", "errors": {}}, "pools": []}
-        return status()
+        return await status()
 
     @app.get(
         "/admin/breakers",

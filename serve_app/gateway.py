@@ -57,6 +57,7 @@ class Gateway:
         )
         self.keyring = parts.keyring
         self.metrics = parts.metrics
+        self.schedulers = dict(parts.schedulers)
         routes = model_routes(config, self.backends)
         self.models = list(routes)
         store_failed = StoreFailures(parts.metrics, "usage kept queued, retried")
@@ -140,25 +141,35 @@ class Gateway:
     async def list_models(self, request: Request) -> Response:
         return await self.pipeline.listing(RequestContext(request, "models"))
 
-    def status(self) -> dict:
+    async def status(self) -> dict:
         """What ``GET /admin/status`` shows of this gateway replica: its store, the store errors
-        it counted, and each pool's replicas as its router knows them."""
+        it counted, and each pool's replicas (as its router knows them) and admission slots."""
         breaker = getattr(self.store, "state", None)  # a guarded store's breaker (Redis)
+        pools = []
+        for pool in self.config.pools:
+            scheduler = self.schedulers.get(pool.name)
+            admission = None
+            if scheduler is not None:
+                try:
+                    admission = await scheduler.snapshot()
+                except Exception as exc:  # the scheduler deployment is down: say so, not 500
+                    logger.warning("scheduler %s snapshot failed: %r", pool.name, exc)
+            pools.append(
+                {
+                    "name": pool.name,
+                    "model": pool.model,
+                    "replicas": self.backends[pool.name].pool.replica_count(),
+                    "fallback": pool.fallback and "fallback" in self.backends,
+                    "admission": admission,
+                }
+            )
         return {
             "store": {
                 "kind": "redis" if self.config.store.shared else "embedded",
                 "state": breaker.name.lower() if breaker is not None else "closed",
                 "errors": dict(self.metrics.store_errors_seen),
             },
-            "pools": [
-                {
-                    "name": pool.name,
-                    "model": pool.model,
-                    "replicas": self.backends[pool.name].pool.replica_count(),
-                    "fallback": pool.fallback and "fallback" in self.backends,
-                }
-                for pool in self.config.pools
-            ],
+            "pools": pools,
             "fallback": self.config.fallback.model if self.config.fallback else None,
         }
 

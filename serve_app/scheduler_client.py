@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from serve_app.config import AdmissionConfig, TenantConfig
-from serve_app.scheduler import FairScheduler, TenantShare
+from serve_app.scheduler import FairScheduler, SchedulerSnapshot, TenantShare
 
 # ("claim", lease_id, tenant, tier) | ("park", lease_id) | ("release", lease_id): plain tuples,
 # because they cross a Serve handle on the request path and pickle small.
@@ -57,6 +57,21 @@ class SchedulerClient(Protocol):
     async def renew(self, lease_id: str) -> bool:
         """Keep a live request's lease; False if the scheduler no longer knows it."""
         ...
+
+    async def snapshot(self) -> dict:
+        """The pool's slots now (``admission_view``), for ``GET /admin/status``."""
+        ...
+
+
+def admission_view(snap: SchedulerSnapshot) -> dict:
+    """Slots in use and by whom: a request that ended and still holds a slot shows here."""
+    return {
+        "slots_total": snap.slots_total,
+        "slots_used": snap.slots_used,
+        "parked": snap.parked,
+        "queued": snap.queued,
+        "inflight": snap.inflight,
+    }
 
 
 def apply_ops(scheduler: FairScheduler, ops: Sequence[SlotOp]) -> SyncReply:
@@ -100,6 +115,9 @@ class LocalSchedulerClient:
 
     async def renew(self, lease_id: str) -> bool:
         return self.scheduler.renew(lease_id) is not None
+
+    async def snapshot(self) -> dict:
+        return admission_view(self.scheduler.snapshot())
 
 
 def fair_scheduler(admission: AdmissionConfig, tenants: Iterable[TenantConfig]) -> FairScheduler:

@@ -22,6 +22,7 @@ from serve_app.scheduler_client import (
     LocalSchedulerClient,
     SlotOp,
     SyncReply,
+    admission_view,
     apply_ops,
     fair_scheduler,
 )
@@ -97,12 +98,7 @@ class SchedulerDeployment:
 
     def snapshot(self) -> dict:
         snap = self.scheduler.snapshot()
-        return {
-            "slots_total": snap.slots_total,
-            "slots_used": snap.slots_used,
-            "parked": snap.parked,
-            "queued": snap.queued,
-            "inflight": snap.inflight,
+        return admission_view(snap) | {
             "granted": snap.granted,
             "shed": {f"{t}:{r}": n for (t, r), n in snap.shed.items()},
             "expired_leases": snap.expired_leases,
@@ -128,3 +124,6 @@ class ServeSchedulerClient:
 
     async def renew(self, lease_id: str) -> bool:
         return await self._handle.renew.remote(lease_id)
+
+    async def snapshot(self) -> dict:
+        return await self._handle.snapshot.remote()

@@ -61,6 +61,7 @@ class RecordingMetrics:
     def __init__(self) -> None:
         for name in self.SERIES:
             setattr(self, name, Counter())
+        self.store_errors_seen = ForgeMetrics().store_errors_seen  # a plain tally, not a series
         self.recorded: list[dict] = []
 
     def record(self, **fields) -> None:

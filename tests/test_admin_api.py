@@ -352,9 +352,33 @@ async def test_status_shows_the_store_its_errors_and_each_pools_replicas():
     assert before["store"] == {"kind": "redis", "state": "closed", "errors": {}}
     assert after["store"]["errors"]["reserve"] >= 1
     assert after["pools"] == [
-        {"name": "primary", "model": MODEL, "replicas": 1, "fallback": False}
+        {"name": "primary", "model": MODEL, "replicas": 1, "fallback": False, "admission": None}
     ]
     assert after["fallback"] is None
+
+
+async def test_status_shows_admission_slots_by_tenant_while_held_and_after():
+    args = forge_args()
+    args["pools"][0]["admission"] = {"max_inflight": 4, "queue_cap": 2}
+    args["pools"][0]["engine"] = FAST | {"decode_base_s": 0.05}
+    gateway = build_local_gateway(load_config(args))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with gateway.lifespan(), http(gateway, ADMIN_KEY) as admin:
+        async with (
+            http(gateway, ALPHA_KEY) as alpha,
+            alpha.stream("POST", "/v1/chat/completions", json=chat) as streaming,
+        ):
+            assert streaming.status_code == 200
+            during = (await admin.get("/admin/status")).json()["pools"][0]["admission"]
+            await streaming.aread()
+        for _ in range(100):  # a freed slot reaches the scheduler with the next batch of ops
+            after = (await admin.get("/admin/status")).json()["pools"][0]["admission"]
+            if not any(after["inflight"].values()):
+                break
+            await asyncio.sleep(0.05)
+    assert during["slots_total"] == 4
+    assert during["inflight"] == {"alpha": 1, "beta": 0}
+    assert after["inflight"] == {"alpha": 0, "beta": 0}
 
 
 async def test_status_says_embedded_where_no_redis_is_configured(gateway: Gateway):

@@ -69,7 +69,7 @@ class QuotaStage:
                     raise quota.refused(buckets, amounts, taken)
                 reserved_in_store = True
                 headers = quota.headers(buckets, taken.remaining)
-            lease = await self._acquire_lease(quota, ctx, buckets, amounts)
+            lease = await self._acquire_lease(quota, ctx, buckets, amounts, headers)
         except StoreError as exc:
             # Served without a lease; a reservation already taken is still settled (refunded).
             self._store_failed("reserve", exc)
@@ -99,7 +99,7 @@ class QuotaStage:
         return on_response_end(response, settle)
 
     async def _acquire_lease(
-        self, quota: TenantQuota, ctx: RequestContext, buckets, amounts
+        self, quota: TenantQuota, ctx: RequestContext, buckets, amounts, headers: dict[str, str]
     ) -> str | None:
         if quota.max_streams is None:
             return None
@@ -117,6 +117,11 @@ class QuotaStage:
                 self._store_failed("refund", exc)
             self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
             raise quota.too_many_streams(holders)
+        # This request included: a client (or the gate) sees leaked leases as a low remainder.
+        headers["x-ratelimit-limit-concurrent-requests"] = str(quota.max_streams)
+        headers["x-ratelimit-remaining-concurrent-requests"] = str(
+            max(0, quota.max_streams - holders)
+        )
         return lease_id
 
     async def _keep_lease(self, quota: TenantQuota, lease: str) -> None:

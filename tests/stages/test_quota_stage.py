@@ -100,6 +100,25 @@ async def test_a_long_stream_keeps_its_lease_and_gives_it_back_at_the_end(monkey
     assert (await stage(ctx_for(t), answered({}))).status_code == 200
 
 
+async def test_the_concurrent_request_cap_and_its_remainder_are_in_the_headers():
+    """What lets a client (and the eval gate) see a leaked lease: a low remainder when idle."""
+    store, t = MemoryStore(), tenant(max_concurrent_streams=3)
+    stage = QuotaStage(store, RecordingMetrics(), [t], {})
+    first = await stage(ctx_for(t), answered({}))
+    assert first.headers["x-ratelimit-limit-concurrent-requests"] == "3"
+    assert first.headers["x-ratelimit-remaining-concurrent-requests"] == "2"  # itself held one
+    await settled()
+
+    seen = []
+
+    async def inner(ctx):  # a request while another holds its lease
+        seen.append(await stage(ctx_for(t), answered({})))
+        return Response(b"{}")
+
+    await stage(ctx_for(t), inner)
+    assert seen[0].headers["x-ratelimit-remaining-concurrent-requests"] == "1"
+
+
 async def test_a_failing_store_serves_unmetered_and_counts():
     metrics, t = RecordingMetrics(), tenant(rpm=1)
     stage = QuotaStage(DownStore(), metrics, [t], {})
