@@ -212,7 +212,9 @@ class RetryBudgetConfig(_Strict):
 
     ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     window_s: Annotated[float, Field(gt=0)] = 10.0
-    min_retries: Annotated[int, Field(ge=0)] = 3  # per window and gateway replica, for quiet times
+    # Per window and gateway replica, for quiet times: at least the failures that open a breaker
+    # (ResilienceConfig checks), or a quiet pool's outage reaches clients before its breaker opens.
+    min_retries: Annotated[int, Field(ge=0)] = 5
 
 
 class ResilienceConfig(_Strict):
@@ -223,6 +225,19 @@ class ResilienceConfig(_Strict):
     sync_interval_s: Annotated[float, Field(gt=0)] = 0.5
     # How often the fallback's health endpoint is probed while no traffic tells us.
     fallback_probe_interval_s: Annotated[float, Field(gt=0)] = 10.0
+
+    @model_validator(mode="after")
+    def _budget_covers_a_trip(self) -> ResilienceConfig:
+        """Each failure before a breaker opens is a retry or a client's error: a floor below the
+        threshold makes every outage at low traffic visible to clients."""
+        need = self.breaker.failure_threshold
+        if self.retry_budget.min_retries < need:
+            raise ValueError(
+                f"retry_budget.min_retries ({self.retry_budget.min_retries}) must be at least "
+                f"breaker.failure_threshold ({need}): the failures that open a breaker are "
+                "retried on the fallback, and at low traffic the floor is the whole budget"
+            )
+        return self
 
 
 class PoolConfig(_Strict):

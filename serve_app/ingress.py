@@ -27,6 +27,7 @@ from serve_app.gateway import Gateway
 from serve_app.metrics import ForgeMetrics
 from serve_app.resilience.board import ServeBoard
 from serve_app.resilience.client import BreakerClient
+from serve_app.resilience.settings import breaker_client_options
 from serve_app.scheduler_deployment import ServeSchedulerClient
 from serve_app.stack import Collaborators
 from serve_app.store import build_store
@@ -56,6 +57,7 @@ class GatewayIngress(Gateway):
             ServeBoard(board),
             forge.resilience.sync_interval_s,
             on_board_error=lambda op: metrics.board_errors.inc(tags={"op": op}),
+            **breaker_client_options(forge.resilience),
         )
         app = serve.get_replica_context().app_name
         backends: dict[str, Backend] = {}

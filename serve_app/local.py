@@ -35,7 +35,7 @@ from serve_app.metrics import ForgeMetrics
 from serve_app.replica import Replica
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.client import BreakerClient
-from serve_app.resilience.settings import breaker_settings
+from serve_app.resilience.settings import breaker_client_options, breaker_settings
 from serve_app.scheduler_client import LocalSchedulerClient, fair_scheduler
 from serve_app.stack import Collaborators
 from serve_app.store import Store, build_store
@@ -70,7 +70,9 @@ def build_local_gateway(
             on_state=lambda s: metrics.store_state.set(int(s)),
         )
     board = board or BreakerBoard(breaker_settings(config.resilience.breaker))
-    breakers = BreakerClient(board, config.resilience.sync_interval_s)
+    breakers = BreakerClient(
+        board, config.resilience.sync_interval_s, **breaker_client_options(config.resilience)
+    )
     backends: dict[str, Backend] = {}
     for pool in config.pools:
         bridge = PoolBridge(breakers=breakers)

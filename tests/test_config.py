@@ -243,3 +243,15 @@ def test_config_is_frozen():
     config = load_config(minimal())
     with pytest.raises(ValueError):
         config.pools[0].default_max_tokens = 1
+
+
+def test_a_retry_floor_below_the_breaker_threshold_is_refused_naming_both():
+    """At low traffic the floor is the whole budget: it must cover the failures that open a
+    breaker, or the first seconds of every outage reach clients as 502s."""
+    args = minimal() | {
+        "resilience": {"breaker": {"failure_threshold": 5}, "retry_budget": {"min_retries": 3}}
+    }
+    message = config_error(args)
+    assert "retry_budget.min_retries (3)" in message and "failure_threshold (5)" in message
+    args["resilience"]["retry_budget"]["min_retries"] = 5
+    assert load_config(args).resilience.retry_budget.min_retries == 5

@@ -5,6 +5,13 @@ queue up and go to the board in one call per ``sync_interval_s``, which also bri
 non-closed state; a failure or a probe's verdict is sent at once instead, so the board opens a
 breaker on the N-th failure fleet-wide within one round trip of it.
 
+A replica that itself sees ``trip_after`` consecutive failures of a backend opens its own copy at
+once, without waiting for the board's answer: the failures that arrive during that round trip
+would each need a retry, and the retry budget's floor is sized for the failures it takes to open
+a breaker, not for the board's latency too (the eval gate's failover drill saw 4 clients get a 502
+at 6 req/s before this). The board's next snapshot is the truth again: it opened too (it has the
+same failures) or, if other replicas' successes outweigh them, it closes the local copy.
+
 The staleness accepted: another gateway replica hears of an open breaker up to
 ``sync_interval_s`` (0.5 s by default) late. Meanwhile its requests to the dead backend fail
 before their first byte and are retried within the retry budget, so the cost is a few retries,
@@ -38,8 +45,15 @@ class BreakerClient:
         sync_interval_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         on_board_error: Callable[[str], None] | None = None,
+        *,
+        trip_after: int | None = None,
+        local_open_s: float = 1.0,
     ) -> None:
         self._board = board
+        self._trip_after = trip_after
+        self._local_open_s = local_open_s
+        self._streaks: dict[str, int] = {}  # backend → consecutive failures seen here
+        self._last_failure: dict[str, float] = {}  # backend → when the streak last grew
         self._interval = sync_interval_s
         self._clock = clock
         self._on_board_error = on_board_error
@@ -90,19 +104,44 @@ class BreakerClient:
 
     # -- reports -----------------------------------------------------------------------------
 
-    def record(self, backend: str, outcome: Outcome, *, probe: bool = False) -> None:
+    def now(self) -> float:
+        """This client's clock: what ``record``'s ``sent_at`` is measured on."""
+        return self._clock()
+
+    def record(
+        self, backend: str, outcome: Outcome, *, probe: bool = False, sent_at: float | None = None
+    ) -> None:
         """Queue an outcome. A healthy request costs a counter bump: successes are summed per
         backend (order kept: they are sent before the backend's next other report), and a
-        neutral outcome that is no probe changes nothing on the board, so it is not sent."""
+        neutral outcome that is no probe changes nothing on the board, so it is not sent.
+
+        ``sent_at`` (``now()`` when the attempt was sent): a success of a request sent before
+        the backend's latest failure is old news, neutral here and on the board; the streams
+        that were running when a backend died end well for a while after it died, and counted
+        as successes they would keep resetting its consecutive failures (the gate's failover
+        drill: 3 of 146 clients got a 502 before the breakers opened, past the retry budget).
+        """
         self._ensure_running()
         if not probe:
             if outcome is Outcome.SUCCESS:
+                failed_at = self._last_failure.get(backend)
+                if failed_at is not None and sent_at is not None and sent_at < failed_at:
+                    return
+                self._streaks.pop(backend, None)
                 self._successes[backend] = self._successes.get(backend, 0) + 1
                 return
             if outcome is Outcome.NEUTRAL:
                 return
+            self._count_failure(backend)
         self._report(backend, outcome.value, probe)
         self._urgent.set()
+
+    def _count_failure(self, backend: str) -> None:
+        self._last_failure[backend] = self._clock()
+        streak = self._streaks[backend] = self._streaks.get(backend, 0) + 1
+        if self._trip_after is not None and streak >= self._trip_after:
+            # Open here now; the board's snapshot (with these same failures) follows.
+            self._states.setdefault(backend, (State.OPEN, self._clock() + self._local_open_s))
 
     def _report(self, backend: str, what: str, probe: bool) -> None:
         successes = self._successes.pop(backend, 0)
@@ -153,6 +192,8 @@ class BreakerClient:
 
     def _apply(self, snapshot: Snapshot) -> None:
         now = self._clock()
+        # The board's word on a backend ends the local streak; its absence does not.
+        self._streaks = {b: n for b, n in self._streaks.items() if b not in snapshot}
         self._states = {
             backend: (State(state), now + cooldown_left)
             for backend, (state, cooldown_left) in snapshot.items()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve_app.config import BreakerConfig, RetryBudgetConfig
+from serve_app.config import BreakerConfig, ResilienceConfig, RetryBudgetConfig
 from serve_app.resilience.breaker import BreakerSettings
 from serve_app.resilience.retry_budget import RetryBudgetSettings
 
@@ -13,3 +13,12 @@ def breaker_settings(config: BreakerConfig) -> BreakerSettings:
 
 def retry_budget_settings(config: RetryBudgetConfig) -> RetryBudgetSettings:
     return RetryBudgetSettings(**config.model_dump())
+
+
+def breaker_client_options(config: ResilienceConfig) -> dict:
+    """A gateway replica opens its own copy of a breaker on the failures that open the board's,
+    for as long as the board's would stay open."""
+    return {
+        "trip_after": config.breaker.failure_threshold,
+        "local_open_s": config.breaker.cooldown_s,
+    }

@@ -51,6 +51,7 @@ class Attempt:
     replica: str | None = None  # the pool replica it went to
     replica_probe: bool = False
     resolved: bool = False  # the breakers were told (probes: at the first batch)
+    sent_at: float | None = None  # on the breakers' clock: old successes end no failure streak
 
     def collect_replica(self, ctx: RequestContext) -> None:
         """Which replica the pool's router chose; known once the call was routed."""
@@ -67,12 +68,13 @@ class Attempt:
         if self.breakers is None or self.resolved:
             return
         self.resolved = True
-        self.breakers.record(self.backend.name, outcome, probe=self.probe)
+        self.breakers.record(self.backend.name, outcome, probe=self.probe, sent_at=self.sent_at)
         if self.replica is not None:
             self.breakers.record(
                 replica_backend(self.backend.name, self.replica),
                 outcome,
                 probe=self.replica_probe,
+                sent_at=self.sent_at,
             )
 
     def answering(self, ctx: RequestContext) -> None:
@@ -268,7 +270,13 @@ class _Plan:
             failed_replica, ctx.replica = ctx.replica, None
             if failed_replica and backend.pool is not None:
                 backend.pool.avoid(ctx.request_id, failed_replica)
-            return Attempt(backend, dispatch.breakers, probe=admit is Admit.PROBE)
+            breakers = dispatch.breakers
+            return Attempt(
+                backend,
+                breakers,
+                probe=admit is Admit.PROBE,
+                sent_at=breakers.now() if breakers is not None else None,
+            )
         return None
 
 

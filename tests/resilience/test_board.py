@@ -185,3 +185,70 @@ async def test_a_replica_forgotten_with_its_breaker_open_is_reported_closed():
     await board.sync([("primary", "success", False, 1)])  # any later sync forgets stale ones
     assert "primary/gone" not in await board.describe()
     assert (gauges.state.calls[-1], gauges.state.values[-1]) == ({"backend": "primary/gone"}, 0)
+
+
+class SlowBoard(BreakerBoard):
+    """A board whose answers are still on their way: what a loaded cluster's round trip is."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.gate = asyncio.Event()
+
+    async def sync(self, reports):
+        await self.gate.wait()
+        return await super().sync(reports)
+
+
+async def test_a_gateway_opens_its_own_copy_on_the_failures_that_open_the_board():
+    """The requests that fail while the board's answer travels would each need a retry."""
+    clock = Clock()
+    board = SlowBoard(S, clock)
+    client = BreakerClient(board, sync_interval_s=60, clock=clock, trip_after=3, local_open_s=5)
+    for _ in range(2):
+        client.record("primary", Outcome.FAILURE)
+    assert client.state("primary") is State.CLOSED
+    client.record("primary", Outcome.FAILURE)
+    assert client.state("primary") is State.OPEN  # before the board has heard a thing
+    assert await client.admit("primary") is Admit.DENY
+    board.gate.set()
+    await client.flush()
+    assert board.breaker("primary").state is State.OPEN  # the board agrees: same failures
+    assert client.state("primary") is State.OPEN
+
+
+async def test_a_success_between_failures_keeps_the_local_copy_closed():
+    client = BreakerClient(BreakerBoard(S), sync_interval_s=60, trip_after=3)
+    for outcome in (Outcome.FAILURE, Outcome.FAILURE, Outcome.SUCCESS, Outcome.FAILURE):
+        client.record("primary", outcome)
+    assert client.state("primary") is State.CLOSED
+
+
+async def test_the_board_has_the_last_word_over_a_local_trip():
+    """Other gateways' successes outweigh this one's failures: the board's snapshot closes it."""
+    board = BreakerBoard(BreakerSettings(failure_threshold=10, cooldown_s=5, min_requests=100))
+    client = BreakerClient(board, sync_interval_s=60, trip_after=3)
+    for _ in range(3):
+        client.record("primary", Outcome.FAILURE)
+    assert client.state("primary") is State.OPEN
+    await client.flush()
+    assert client.state("primary") is State.CLOSED
+
+
+async def test_a_stream_sent_before_the_failures_ends_well_without_ending_the_streak():
+    """Streams running when a backend died finish well for a while after it: old news."""
+    clock = Clock()
+    client = BreakerClient(BreakerBoard(S), sync_interval_s=60, clock=clock, trip_after=3)
+    sent_early = client.now()
+    clock.now = 1
+    client.record("primary", Outcome.FAILURE)
+    client.record("primary", Outcome.FAILURE)
+    clock.now = 2
+    client.record("primary", Outcome.SUCCESS, sent_at=sent_early)  # sent before they failed
+    client.record("primary", Outcome.FAILURE)
+    assert client.state("primary") is State.OPEN
+    fresh = BreakerClient(BreakerBoard(S), sync_interval_s=60, clock=clock, trip_after=3)
+    fresh.record("primary", Outcome.FAILURE)
+    fresh.record("primary", Outcome.FAILURE)
+    fresh.record("primary", Outcome.SUCCESS, sent_at=fresh.now())  # sent after: news
+    fresh.record("primary", Outcome.FAILURE)
+    assert fresh.state("primary") is State.CLOSED
