@@ -30,8 +30,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # `python -m evals` and `python -m loadtest.http_load` run from here.
 COPY --chown=1000:100 . .
 
-# Forge and its runtime dependencies only (no dev extra). Ray itself is already the base image's,
+# Forge and its runtime dependencies, and the eval gate's client (the evals extra); no dev extra. Ray itself is already the base image's,
 # at the version pyproject.toml accepts, so pip keeps it.
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir ".[evals]" \
     && python -c "import serve_app.app"
 

@@ -42,6 +42,10 @@ LIMITED_TENANTS = {
     "streams": {"max_concurrent_streams": 2},
     "outage": {"rpm": 1, "burst_requests": 3},
     METERED_TENANT: {"tpm": 10_000_000},
+    # The eval gate's tenants (tests/e2e/test_evals.py): its own, with a stream cap to watch,
+    # and one with a small budget for its quota check.
+    "gate": {"max_concurrent_streams": 8},
+    "gate-quota": {"rpm": 1, "burst_requests": 5},
 }
 ROUTED_POLICIES = ("prefix_affinity", "kv_aware")
 # Tenants of the fair-admission pool: one floods, one is light.
