@@ -122,6 +122,7 @@ def _param(loc: tuple, body: dict) -> str | None:
 def prompt_text(body: dict, kind: str) -> str:
     """The text the model sees: the rendered chat, or the completion prompt."""
     if kind == "chat":
-        return tokenizer.render_chat(body["messages"])
+        tools = body.get("tools")
+        return tokenizer.render_chat(body["messages"], tools if isinstance(tools, list) else None)
     prompt = body["prompt"]
     return prompt if isinstance(prompt, str) else prompt[0]

@@ -9,6 +9,7 @@ before it. ``"".join(tokenize(s)) == s.rstrip()`` for any text without trailing 
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from collections.abc import Iterable, Sequence
@@ -37,9 +38,12 @@ def count_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 
 
-def render_chat(messages: Iterable[dict]) -> str:
-    """Render chat messages with a ChatML template, ending with the assistant's turn."""
+def render_chat(messages: Iterable[dict], tools: list | None = None) -> str:
+    """Render chat messages with a ChatML template, ending with the assistant's turn. Tool
+    definitions and an assistant's tool calls are part of the prompt, as in real templates."""
     parts = []
+    if tools:
+        parts.append(f"{_SPECIAL[0]} tools\n{json.dumps(tools, sort_keys=True)} {_SPECIAL[1]}\n")
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
@@ -48,6 +52,9 @@ def render_chat(messages: Iterable[dict]) -> str:
                 for p in content
                 if isinstance(p, dict) and p.get("type") == "text"
             )
+        calls = m.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            content = (content or "") + json.dumps(calls, sort_keys=True)
         parts.append(f"{_SPECIAL[0]} {m.get('role', 'user')}\n{content or ''} {_SPECIAL[1]}\n")
     parts.append(f"{_SPECIAL[0]} assistant\n")
     return "".join(parts)

@@ -19,6 +19,7 @@ from serve_app.config import SimulatedEngineConfig
 from serve_app.engines.base import AbandonedUsage, Engine, EngineStats, Kind, Usage
 from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
+from serve_app.engines.tool_calls import ToolCall, plan_tool_calls
 from serve_app.protocol import prompt_text
 
 
@@ -91,7 +92,95 @@ class SimulatedEngine(Engine):
             )
         return ids, max_tokens
 
+    def _generate_calls(self, body: dict, request_id: str, calls: list[ToolCall]):
+        """The tool calls' arguments as the model's tokens: one generated token per piece, cut
+        where ``max_tokens`` cuts them (as a real model's are)."""
+        ids, max_tokens = self._prepare(body, "chat")
+        pieces = [
+            (i, piece)
+            for i, call in enumerate(calls)
+            for piece in (tokenizer.tokenize(call.arguments) or [call.arguments])
+        ]
+        self._serial += 1
+        tokens = self.llm.generate(
+            f"{request_id}-{self._serial}",
+            ids,
+            min(len(pieces), max_tokens),
+            seed_text=None if body.get("seed") is None else str(body["seed"]),
+            ignore_eos=True,
+            on_abort=lambda usage: self.abandoned.record(request_id, usage),
+        )
+        finish = "tool_calls" if len(pieces) <= max_tokens else "length"
+        return ids, tokens, pieces[:max_tokens], finish
+
+    async def _stream_calls(
+        self, body: dict, request_id: str, calls: list[ToolCall]
+    ) -> AsyncIterator[bytes | Usage]:
+        ids, tokens, pieces, finish = self._generate_calls(body, request_id, calls)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunk = _ChunkFormat("chat", request_id, self.model, include_usage)
+        generated = cached = 0
+        started: set[int] = set()
+        async with contextlib.aclosing(tokens):
+            async for out in tokens:
+                if generated == 0:
+                    yield chunk.role()
+                index, piece = pieces[generated]
+                generated += 1
+                cached = out.num_cached_tokens
+                first = index not in started
+                started.add(index)
+                yield chunk.tool_call(index, piece, calls[index] if first else None)
+        if generated == len(pieces):
+            yield chunk.finish(finish)
+        usage = Usage(len(ids), generated, cached)
+        if include_usage:
+            yield chunk.usage(usage)
+        yield usage
+
+    async def _complete_calls(
+        self, body: dict, request_id: str, calls: list[ToolCall]
+    ) -> tuple[dict, Usage]:
+        ids, tokens, pieces, finish = self._generate_calls(body, request_id, calls)
+        arguments = ["" for _ in calls]
+        generated = cached = 0
+        async with contextlib.aclosing(tokens):
+            async for out in tokens:
+                index, piece = pieces[generated]
+                arguments[index] += piece
+                generated += 1
+                cached = out.num_cached_tokens
+        usage = Usage(len(ids), generated, cached)
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": arguments[i]},
+                }
+                for i, call in enumerate(calls)
+                if arguments[i] or i == 0
+            ],
+        }
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        response = {
+            "id": "chatcmpl-" + request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage.to_openai(),
+        }
+        return response, usage
+
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
+        calls = plan_tool_calls(body, request_id) if kind == "chat" else []
+        if calls:
+            async for item in self._stream_calls(body, request_id, calls):
+                yield item
+            return
         ids, tokens = self._generate(body, kind, request_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
@@ -113,6 +202,9 @@ class SimulatedEngine(Engine):
         yield usage
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
+        calls = plan_tool_calls(body, request_id) if kind == "chat" else []
+        if calls:
+            return await self._complete_calls(body, request_id, calls)
         ids, tokens = self._generate(body, kind, request_id)
         pieces: list[str] = []
         finish_reason = "stop"
@@ -245,6 +337,21 @@ class _ChunkFormat:
                 b'"delta":{"content":' + content + b'},"logprobs":null,"finish_reason":null'
             )
         return self._frame(b'"text":' + content + b',"logprobs":null,"finish_reason":null')
+
+    def tool_call(self, index: int, arguments: str, call: ToolCall | None = None) -> bytes:
+        """One piece of a call's arguments; the call's first carries its id, type and name."""
+        entry: dict = {"index": index, "function": {"arguments": arguments}}
+        if call is not None:
+            entry = {
+                "index": index,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": arguments},
+            }
+        return self._frame(
+            b'"delta":{"tool_calls":' + orjson.dumps([entry]) + b'},"logprobs":null,'
+            b'"finish_reason":null'
+        )
 
     def finish(self, reason: str) -> bytes:
         reason_json = orjson.dumps(reason)

@@ -1,0 +1,173 @@
+"""Tool calling in the simulated engine, as an agent (and the official client) sees it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from serve_app.auth import hash_key
+from serve_app.config import SimulatedEngineConfig, load_config
+from serve_app.engines.simulated import SimulatedEngine
+from serve_app.engines.tool_calls import plan_tool_calls
+from serve_app.errors import ForgeError
+from serve_app.local import build_local_gateway
+
+KEY = "sk-test-tools"
+STATUS = {
+    "type": "function",
+    "function": {
+        "name": "get_service_status",
+        "description": "The status of a service.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "service": {"type": "string"},
+                "region": {"type": "string", "enum": ["eu", "us"]},
+                "verbose": {"type": "boolean"},
+            },
+            "required": ["service", "region"],
+        },
+    },
+}
+TICKET = {
+    "type": "function",
+    "function": {
+        "name": "open_ticket",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "priority": {"type": "integer", "minimum": 1},
+            },
+            "required": ["title", "priority"],
+        },
+    },
+}
+TOOLS = [STATUS, TICKET]
+ASK = [{"role": "user", "content": "Check the service status of checkout"}]
+
+
+def body(messages=ASK, **extra) -> dict:
+    return {"model": "m", "messages": messages, "tools": TOOLS, "max_tokens": 200, **extra}
+
+
+def schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_auto_calls_the_tool_the_user_names_with_arguments_from_its_schema():
+    (call,) = plan_tool_calls(body(), "r1")
+    assert call.name == "get_service_status"
+    arguments = json.loads(call.arguments)
+    assert arguments == {"service": "checkout", "region": "eu"}
+    jsonschema.validate(arguments, schema_of(call.name))
+
+
+def test_auto_answers_in_text_when_no_tool_is_named_or_a_result_is_in():
+    assert plan_tool_calls(body([{"role": "user", "content": "hello"}]), "r") == []
+    (call,) = plan_tool_calls(body(), "r")
+    after = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"status": "degraded"}'},
+    ]
+    assert plan_tool_calls(body(after), "r") == []
+
+
+def test_required_named_none_and_parallel_choices():
+    hello = [{"role": "user", "content": "hello"}]
+    assert [c.name for c in plan_tool_calls(body(hello, tool_choice="required"), "r")] == [
+        "get_service_status"
+    ]
+    named = {"type": "function", "function": {"name": "open_ticket"}}
+    (call,) = plan_tool_calls(body(tool_choice=named), "r")
+    jsonschema.validate(json.loads(call.arguments), schema_of("open_ticket"))
+    assert plan_tool_calls(body(tool_choice="none"), "r") == []
+    both = [{"role": "user", "content": "get service status, then open ticket for checkout"}]
+    assert [c.name for c in plan_tool_calls(body(both), "r")] == [
+        "get_service_status",
+        "open_ticket",
+    ]
+    assert len(plan_tool_calls(body(both, parallel_tool_calls=False), "r")) == 1
+    with pytest.raises(ForgeError) as info:
+        plan_tool_calls(body(tool_choice={"type": "function", "function": {"name": "nope"}}), "r")
+    assert info.value.status == 400
+
+
+@pytest.fixture
+async def client():
+    config = load_config(
+        {
+            "tenants": [{"name": "agent", "key_hashes": [hash_key(KEY)]}],
+            "pools": [{"model": "m", "engine": {"prefill_base_s": 0, "decode_base_s": 0}}],
+        }
+    )
+    gateway = build_local_gateway(config)
+    async with gateway.lifespan():
+        transport = httpx.ASGITransport(gateway.asgi_app())
+        http = httpx.AsyncClient(transport=transport, base_url="http://forge.test/v1")
+        async with openai.AsyncOpenAI(
+            base_url="http://forge.test/v1", api_key=KEY, http_client=http
+        ) as c:
+            yield c
+
+
+async def test_the_official_client_gets_one_complete_call_streamed_or_not(client):
+    response = await client.chat.completions.create(**body())
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+    assert response.usage.completion_tokens > 1
+
+    stream = await client.chat.completions.create(
+        **body(), stream=True, stream_options={"include_usage": True}
+    )
+    calls: dict[int, dict] = {}
+    finish, usage, deltas = None, None, 0
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for delta in c.delta.tool_calls or ():
+                deltas += 1
+                entry = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = delta.id or entry["id"]
+                if delta.function.name:
+                    entry["name"] = delta.function.name
+                entry["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls" and deltas > 1  # streamed piece by piece, as vLLM does
+    (only,) = calls.values()
+    assert only["id"].startswith("call_") and only["name"] == call.function.name
+    assert json.loads(only["arguments"]) == json.loads(call.function.arguments)
+    assert usage.completion_tokens == response.usage.completion_tokens
+
+
+async def test_max_tokens_cuts_the_arguments_as_a_real_model_would(client):
+    response = await client.chat.completions.create(**body(max_tokens=2))
+    assert response.choices[0].finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(response.choices[0].message.tool_calls[0].function.arguments)
+
+
+async def test_tools_are_part_of_the_prompt_the_tenant_pays_for():
+    engine = SimulatedEngine("m", SimulatedEngineConfig(prefill_base_s=0, decode_base_s=0), 64)
+    plain = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    _, without = await engine.complete(plain, "chat", "a")
+    _, with_tools = await engine.complete(plain | {"tools": TOOLS}, "chat", "b")
+    assert with_tools.prompt_tokens > without.prompt_tokens
+    await engine.shutdown()
