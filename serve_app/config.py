@@ -275,6 +275,35 @@ class PoolConfig(_Strict):
         return "simulated:" + engine.model_dump_json()
 
 
+# The chat parameters Gemini's OpenAI-compatible endpoint documents (Vertex AI, "Using OpenAI
+# libraries": supported parameters); it refuses any other top-level field with a 400 ("Unknown
+# name ... Cannot find field"). `extra_body` is how Gemini-specific options travel.
+GEMINI_PARAMS: tuple[str, ...] = (
+    "model",
+    "messages",
+    "prompt",  # /v1/completions bodies, for upstreams that serve it
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "reasoning_effort",
+    "response_format",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "web_search_options",
+    "modalities",
+    "audio",
+    "extra_body",
+)
+
+
 class FallbackConfig(_Strict):
     """An external OpenAI-compatible backend (Gemini in production, the mock on a laptop)."""
 
@@ -300,6 +329,10 @@ class FallbackConfig(_Strict):
     read_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     max_connections: Annotated[int, Field(gt=0)] = 256
+    # The top-level request fields the upstream takes; others (vLLM's sampling extensions such as
+    # top_k or ignore_eos, `user`, `logit_bias`, `parallel_tool_calls`, ...) are dropped on the
+    # way out, so a failover never turns into a client's 400 over a field. None: forward all.
+    accepted_params: tuple[str, ...] | None = GEMINI_PARAMS
 
     @model_validator(mode="before")
     @classmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -24,14 +25,21 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from serve_app import errors, protocol, sse
-from serve_app.config import SimulatedEngineConfig
+from serve_app.config import GEMINI_PARAMS, SimulatedEngineConfig
 from serve_app.engines.base import Kind, Usage
 from serve_app.engines.simulated import SimulatedEngine
 
 _MODELS = {"chat": protocol.ChatCompletionRequest, "completion": protocol.CompletionRequest}
 
 
-def create_mock_app(model: str, engine: dict, api_key: str | None = None) -> Starlette:
+def create_mock_app(
+    model: str,
+    engine: dict,
+    api_key: str | None = None,
+    accepted_params: Sequence[str] | None = GEMINI_PARAMS,
+) -> Starlette:
+    """``accepted_params``: like Gemini, a field outside them is a 400, so a test catches a
+    gateway that forwards what the real fallback would refuse."""
     simulated = SimulatedEngine(model, SimulatedEngineConfig.model_validate(engine), 256)
     expected_auth = f"Bearer {api_key}" if api_key else None
 
@@ -45,6 +53,13 @@ def create_mock_app(model: str, engine: dict, api_key: str | None = None) -> Sta
             if expected_auth and not hmac.compare_digest(given, expected_auth):
                 raise errors.invalid_api_key()
             body, parsed = protocol.parse_request(await request.body(), _MODELS[kind])
+            unknown = sorted(set(body) - set(accepted_params)) if accepted_params else []
+            if unknown:
+                raise errors.invalid_request(
+                    f'Invalid JSON payload received. Unknown name "{unknown[0]}": Cannot find '
+                    "field.",
+                    param=unknown[0],
+                )
             if parsed.model != model:
                 raise errors.model_not_found(parsed.model)
             request_id = request.headers.get("x-request-id") or "mock"

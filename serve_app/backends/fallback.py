@@ -53,6 +53,9 @@ class FallbackBackend:
         )
 
     def _upstream_body(self, body: dict, stream: bool) -> bytes:
+        accepted = self.config.accepted_params
+        if accepted is not None:
+            body = {k: v for k, v in body.items() if k in accepted}
         upstream = {**body, "model": self.config.model, "stream": stream}
         if stream:
             upstream["stream_options"] = {

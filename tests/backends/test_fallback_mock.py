@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import orjson
 import pytest
 
 from serve_app.backends.fallback import FallbackBackend
@@ -121,3 +122,40 @@ async def test_metadata_mode_without_a_token_is_a_502_and_not_ready(vertex_like)
         assert await backend.ready() is False
     finally:
         await backend.aclose()
+
+
+# What an agent sends that Gemini's OpenAI endpoint refuses: vLLM's sampling extensions, and
+# OpenAI fields it does not document.
+UNTAKEN = {
+    "top_k": 20,
+    "ignore_eos": False,
+    "repetition_penalty": 1.1,
+    "user": "agent-7",
+    "logit_bias": {"50256": -100},
+    "parallel_tool_calls": True,
+}
+
+
+async def test_a_failover_drops_what_the_fallback_refuses_and_keeps_what_it_takes(
+    gemini_like, monkeypatch
+):
+    base_url, _ = gemini_like
+    monkeypatch.setenv(KEY_ENV, "sk-gemini-test")
+    body = CHAT | UNTAKEN | {"seed": 7, "stop": ["zzz"], "temperature": 0.2}
+    taken = FallbackBackend(FallbackConfig(base_url=base_url, model=MODEL, api_key_env=KEY_ENV))
+    forwarded = FallbackBackend(
+        FallbackConfig(base_url=base_url, model=MODEL, api_key_env=KEY_ENV, accepted_params=None)
+    )
+    try:
+        result = await taken.complete(body, "chat", "req-ok")
+        assert result["response"]["choices"][0]["message"]["content"]
+        # The mock refuses them as Gemini does: forwarded untouched, the failover would fail.
+        with pytest.raises(ForgeError) as info:
+            await forwarded.complete(body, "chat", "req-refused")
+        assert "Unknown name" in info.value.message
+    finally:
+        await taken.aclose()
+        await forwarded.aclose()
+    sent = orjson.loads(taken._upstream_body(body, stream=False))
+    assert not set(UNTAKEN) & set(sent)
+    assert (sent["seed"], sent["stop"], sent["model"]) == (7, ["zzz"], MODEL)
