@@ -46,6 +46,8 @@ LIMITED_TENANTS = {
     # and one with a small budget for its quota check.
     "gate": {"max_concurrent_streams": 8},
     "gate-quota": {"rpm": 1, "burst_requests": 5},
+    # No budgets: the agent and the client matrix (test_agent.py, test_clients.py).
+    "agents": {},
 }
 ROUTED_POLICIES = ("prefix_affinity", "kv_aware")
 # Tenants of the fair-admission pool: one floods, one is light.
