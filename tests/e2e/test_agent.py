@@ -34,16 +34,23 @@ def test_the_agent_calls_a_tool_reads_its_result_and_answers(forge_url, stream):
 
 def test_the_agent_works_the_same_while_the_fallback_serves(forge_url, faults, metric):
     faults.set_all("pool-chaos", {"mode": "error"})
+    retried = metric("forge_retries_total")
     messages = ops_agent.run(
         "What is the service status of checkout?", f"{forge_url}/v1", KEY, "forge-chaos"
     )
     assert_called_then_answered(messages, "get_service_status")
-    # The retries this made reach Prometheus up to an export interval late: let them land
-    # before the next test (the chaos tests count retries exactly).
+    # Its first call met a failing replica and was retried on the fallback. Retries reach
+    # Prometheus up to an export interval late: let all of them land before the next test (the
+    # chaos tests count retries exactly).
+    eventually(
+        lambda: metric("forge_retries_total") > retried,
+        timeout_s=15,
+        what="this test's retries to be exported",
+    )
     seen = [metric("forge_retries_total")]
     eventually(
         lambda: seen.append(metric("forge_retries_total")) or seen[-1] == seen[-2],
         timeout_s=10,
-        interval_s=1.0,
+        interval_s=1.5,
         what="the retry counter to settle",
     )
