@@ -183,9 +183,14 @@ class BreakerClient:
     async def reset(self, backend: str | None = None) -> dict[str, dict]:
         """Close one breaker on the board, or all, and take its states at once: this replica
         routes to the backend from the next request, not the next sync. Other replicas hear
-        of it on their next sync. Returns the board's new ``describe``."""
+        of it on their next sync. Returns the board's new ``describe``.
+
+        The states taken here are kept fresh like any: a replica that served no request yet has
+        no sync running, and would hold the board's other open breakers forever (CI saw one
+        still open 10 s after the board closed it, on the replica an admin reset reached)."""
         if self._board is None:
             return {}
+        self._ensure_running()
         snapshot = await asyncio.wait_for(self._board.reset(backend), _BOARD_TIMEOUT_S)
         self._apply(snapshot)
         return await self.describe()

@@ -252,3 +252,25 @@ async def test_a_stream_sent_before_the_failures_ends_well_without_ending_the_st
     fresh.record("primary", Outcome.SUCCESS, sent_at=fresh.now())  # sent after: news
     fresh.record("primary", Outcome.FAILURE)
     assert fresh.state("primary") is State.CLOSED
+
+
+async def test_a_replica_that_only_reset_a_breaker_keeps_its_copy_fresh():
+    """The replica an admin's reset reaches may have served nothing yet: the other open
+    breakers it took with the reset must close when the board closes them."""
+    board = BreakerBoard(S)
+    worker = BreakerClient(board, sync_interval_s=60)
+    for _ in range(3):
+        worker.record("solo", Outcome.FAILURE)
+        worker.record("solo/r1", Outcome.FAILURE)
+    await worker.flush()
+    idle = BreakerClient(board, sync_interval_s=0.05)
+    await idle.reset("solo")
+    assert idle.state("solo") is State.CLOSED and idle.state("solo/r1") is State.OPEN
+    await board.reset(None)
+    await eventually_async(
+        lambda: idle.state("solo/r1") is State.CLOSED,
+        timeout_s=5,
+        what="the idle replica's copy to close with the board",
+    )
+    await idle.aclose()
+    await worker.aclose()
