@@ -165,15 +165,7 @@ class SimulatedEngine(Engine):
             ],
         }
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        response = {
-            "id": "chatcmpl-" + request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage.to_openai(),
-        }
-        return response, usage
+        return self._response("chat", request_id, choice, usage), usage
 
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
@@ -209,35 +201,31 @@ class SimulatedEngine(Engine):
         pieces: list[str] = []
         finish_reason = "stop"
         cached = 0
-        completion_tokens = 0
         async with contextlib.aclosing(tokens):
             async for text, reason, cached_now in tokens:
                 cached = cached_now
                 pieces.append(text)
-                completion_tokens += 1
                 finish_reason = reason or finish_reason
-        usage = Usage(len(ids), completion_tokens, cached)
+        usage = Usage(len(ids), len(pieces), cached)
         text = "".join(pieces)
         if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-            obj, prefix = "chat.completion", "chatcmpl-"
+            answer: dict = {"message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            obj, prefix = "text_completion", "cmpl-"
-        response = {
-            "id": prefix + request_id,
-            "object": obj,
+            answer = {"text": text}
+        choice = {"index": 0, **answer, "logprobs": None, "finish_reason": finish_reason}
+        return self._response(kind, request_id, choice, usage), usage
+
+    def _response(self, kind: Kind, request_id: str, choice: dict, usage: Usage) -> dict:
+        """The non-streaming envelope around one choice, as vLLM returns it."""
+        chat = kind == "chat"
+        return {
+            "id": ("chatcmpl-" if chat else "cmpl-") + request_id,
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],
             "usage": usage.to_openai(),
         }
-        return response, usage
 
     def stats(self) -> EngineStats:
         llm = self.llm
