@@ -204,12 +204,11 @@ def build_admin_api(
     keyring: KeyRing,
     ledger: UsageLedger,
     breakers: BreakerClient,
-    pools: Mapping[str, PoolControl] | None = None,
-    status: Callable[[], Awaitable[dict]] | None = None,
+    pools: Mapping[str, PoolControl],
+    status: Callable[[], Awaitable[dict]],
 ) -> FastAPI:
     """The usage and admin routes, and ``/openapi.json`` for the whole gateway. ``pools``: pool
     name → its control, for fault injection; ``status``: what ``/admin/status`` shows."""
-    pools = pools or {}
     tenants = {t.name: t for t in config.tenants}
     app = FastAPI(
         title="Forge",
@@ -287,8 +286,6 @@ def build_admin_api(
     async def gateway_status() -> dict:
         """The answering gateway replica's view: its store (kind, breaker, errors counted) and
         each pool's replicas. Each gateway replica keeps its own counts."""
-        if status is None:
-            return {"store": {"kind": "embedded", "state": "closed", "errors": {}}, "pools": []}
         return await status()
 
     @app.get(
@@ -301,11 +298,7 @@ def build_admin_api(
     )
     async def describe_breakers() -> dict[str, dict]:
         """Every breaker the board knows (a closed one nobody failed may be absent)."""
-        try:
-            return await breakers.describe()
-        except Exception as exc:
-            logger.warning("breaker board describe failed: %r", exc)
-            raise errors.unavailable("Breaker board", "board_unavailable") from exc
+        return await _on_board("describe", breakers.describe())
 
     @app.post(
         "/admin/breakers/reset",
@@ -319,11 +312,7 @@ def build_admin_api(
         body: Annotated[BreakerReset | None, Body()] = None,
     ) -> dict[str, dict]:
         """Close one breaker, or every one; the board's breakers afterwards."""
-        try:
-            return await breakers.reset(body.backend if body else None)
-        except Exception as exc:
-            logger.warning("breaker board reset failed: %r", exc)
-            raise errors.unavailable("Breaker board", "board_unavailable") from exc
+        return await _on_board("reset", breakers.reset(body.backend if body else None))
 
     @app.post(
         "/admin/faults",
@@ -365,6 +354,15 @@ def build_admin_api(
     app.state.admin_keys = AdminKeys.from_config(config)
     app.state.keyring = keyring
     return app
+
+
+async def _on_board(op: str, call: Awaitable[dict]) -> dict:
+    """A board call's answer, or the 503 an unreachable board is (never a stack trace)."""
+    try:
+        return await call
+    except Exception as exc:
+        logger.warning("breaker board %s failed: %r", op, exc)
+        raise errors.unavailable("Breaker board", "board_unavailable") from exc
 
 
 def report_range(start: str | None, end: str | None) -> tuple[dt.date, dt.date]:
