@@ -8,6 +8,7 @@ chosen point, a store that is down.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request
@@ -61,7 +62,7 @@ class RecordingMetrics:
     def __init__(self) -> None:
         for name in self.SERIES:
             setattr(self, name, Counter())
-        self.store_errors_seen = ForgeMetrics().store_errors_seen  # a plain tally, not a series
+        self.store_errors_seen = collections.Counter()  # a plain tally, not a series
         self.recorded: list[dict] = []
 
     def record(self, **fields) -> None:

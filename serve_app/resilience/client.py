@@ -128,6 +128,7 @@ class BreakerClient:
                 if failed_at is not None and sent_at is not None and sent_at < failed_at:
                     return
                 self._streaks.pop(backend, None)
+                self._last_failure.pop(backend, None)  # news: the backend works again
                 self._successes[backend] = self._successes.get(backend, 0) + 1
                 return
             if outcome is Outcome.NEUTRAL:
