@@ -31,41 +31,34 @@ async def _poll(probe, timeout_s: float, interval_s: float = 0.25):
 
 
 async def cache_repeat_is_a_hit(target: Target, served: Served) -> str:
+    """The same temperature-0 request three times through the ``openai`` client: the last one
+    streamed, so the cached answer is checked as SSE too."""
     body = target.chat_body(f"gate cache probe {uuid.uuid4().hex}", max_tokens=16, temperature=0)
-    answers = []
-    async with target.http() as client:
-        for stream in (False, False, True):
-            response = await client.post(
-                "/v1/chat/completions", json=body | {"stream": stream} if stream else body
-            )
-            expect(response.status_code == 200, f"{response.status_code}: {response.text[:120]}")
-            served.saw(
-                response.headers.get("x-forge-backend"), response.headers.get("x-forge-cache")
-            )
-            answers.append((response.headers.get("x-forge-cache"), response))
-    first, second, streamed = answers
-    if not target.primary(first[1].headers.get("x-forge-backend")):
+    seen: list[tuple[str | None, str | None]] = []  # (x-forge-cache, x-forge-backend)
+    async with target.openai() as client:
+        texts = []
+        for _ in range(2):
+            raw = await client.chat.completions.with_raw_response.create(**body)
+            seen.append((raw.headers.get("x-forge-cache"), raw.headers.get("x-forge-backend")))
+            texts.append(raw.parse().choices[0].message.content)
+        raw = await client.chat.completions.with_raw_response.create(**body, stream=True)
+        seen.append((raw.headers.get("x-forge-cache"), raw.headers.get("x-forge-backend")))
+        texts.append(
+            "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+        )
+    for cache, backend in seen:
+        served.saw(backend, cache)
+    (first, first_backend), (second, _), (streamed, _) = seen
+    if not target.primary(first_backend):
         # By design the fallback's answers are never cached: the repeat must miss too.
-        expect(second[0] != "hit", "a fallback's answer was served from the cache")
+        expect(second != "hit", "a fallback's answer was served from the cache")
         return "fallback answers are not cached (by design)"
-    expect(first[0] == "miss", f"first x-forge-cache {first[0]!r}, wanted miss")
-    expect(second[0] == "hit", f"repeat x-forge-cache {second[0]!r}, wanted hit")
-    a = first[1].json()["choices"][0]["message"]["content"]
-    b = second[1].json()["choices"][0]["message"]["content"]
-    expect(a == b, "the cached answer differs from the original")
-    expect(streamed[0] == "hit", f"streamed repeat x-forge-cache {streamed[0]!r}")
-    text = "".join(
-        traffic_delta(line) for line in streamed[1].text.splitlines() if line.startswith("data: {")
-    )
-    expect(text == a, "the cached answer streamed as SSE differs from the original")
+    expect(first == "miss", f"first x-forge-cache {first!r}, wanted miss")
+    expect(second == "hit", f"repeat x-forge-cache {second!r}, wanted hit")
+    expect(texts[1] == texts[0], "the cached answer differs from the original")
+    expect(streamed == "hit", f"streamed repeat x-forge-cache {streamed!r}")
+    expect(texts[2] == texts[0], "the cached answer streamed as SSE differs from the original")
     return "miss, hit, hit as SSE"
-
-
-def traffic_delta(line: str) -> str:
-    import json
-
-    choices = json.loads(line[len("data: ") :]).get("choices") or []
-    return "".join((c.get("delta") or {}).get("content") or "" for c in choices)
 
 
 # -- usage -----------------------------------------------------------------------------------
