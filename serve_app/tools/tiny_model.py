@@ -2,7 +2,8 @@
 
 The real-vLLM tests and ``configs/local-vllm.yaml`` need a model directory, and nothing here may
 download weights. The output is nonsense text, but everything the gateway relies on is real:
-vLLM's tokenizer, chat template, scheduler, KV cache, prefix cache, streaming and metrics.
+vLLM's tokenizer, chat template (Qwen2.5's, tools included), tool-call parsing and grammar,
+scheduler, KV cache, prefix cache, streaming and metrics.
 
     python -m serve_app.tools.tiny_model PATH
 
@@ -16,14 +17,59 @@ import argparse
 import os
 from pathlib import Path
 
-# The chat template of Qwen-style ChatML models, so prompts render like a production model's.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# Qwen2.5's ChatML template, tools section included, so prompts render like a production model's
+# and tool calls take Qwen2.5's (Hermes-style) shape, which vLLM's ``hermes`` parser reads back.
+# Without tools a conversation renders as plain ChatML (no default system prompt); with tools a
+# system turn lists them in ``<tools>``, an assistant's calls become ``<tool_call>`` blocks and
+# tool results ``<tool_response>`` blocks in a user turn.
+CHATML_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and ' }}
+    {{- 'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' and tools and loop.first %}
+        {#- already in the tools turn #}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message['content'] %}
+            {{- '\n' + message['content'] }}
+        {%- endif %}
+        {%- for call in message['tool_calls'] %}
+            {%- set call = call['function'] if call['function'] is defined else call %}
+            {%- set arguments = call['arguments'] %}
+            {{- '\n<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' }}
+            {{- (arguments if arguments is string else arguments | tojson) + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2.5's tool-call markers: added tokens, but not special ones, so they decode into the text
+# (vLLM's Hermes parser and its tool-call grammar work on the text), one token each as in Qwen2.5.
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
 VOCAB_SIZE = 512
 SEED = 0
 
@@ -51,15 +97,21 @@ def vllm_engine_config(path: str | Path, **overrides) -> dict:
         "block_size": 32,  # vLLM's CPU attention needs a multiple of 32
         "dtype": "float32",
         "enforce_eager": True,
-        # 64 MiB of KV cache is ~65k tokens of this model; vLLM's CPU default is far larger.
-        "engine_args": {"kv_cache_memory_bytes": 64 << 20},
+        "engine_args": {
+            # 64 MiB of KV cache is ~65k tokens of this model; vLLM's CPU default is far larger.
+            "kv_cache_memory_bytes": 64 << 20,
+            # The chat template writes tool calls as Qwen2.5 does: vLLM's Hermes parser reads them.
+            "enable_auto_tool_choice": True,
+            "tool_call_parser": "hermes",
+        },
         **overrides,
     }
 
 
 def build_tokenizer():
-    """A byte-level BPE (any text encodes) with ChatML's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE (any text encodes) with ChatML's special tokens and Qwen2.5's tool-call
+    tokens (ids ``VOCAB_SIZE`` and up, after the trained vocabulary, which they leave as it was)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -72,6 +124,7 @@ def build_tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_CALL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|endoftext|>",

@@ -15,6 +15,7 @@ from serve_app.engines.simulated import SimulatedEngine
 from serve_app.engines.tool_calls import plan_tool_calls
 from serve_app.errors import ForgeError
 from serve_app.local import build_local_gateway
+from tests.tool_deltas import assemble
 
 KEY = "sk-test-tools"
 STATUS = {
@@ -137,24 +138,13 @@ async def test_the_official_client_gets_one_complete_call_streamed_or_not(client
     stream = await client.chat.completions.create(
         **body(), stream=True, stream_options={"include_usage": True}
     )
-    calls: dict[int, dict] = {}
-    finish, usage, deltas = None, None, 0
-    async for chunk in stream:
-        usage = chunk.usage or usage
-        for c in chunk.choices:
-            finish = c.finish_reason or finish
-            for delta in c.delta.tool_calls or ():
-                deltas += 1
-                entry = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
-                entry["id"] = delta.id or entry["id"]
-                if delta.function.name:
-                    entry["name"] = delta.function.name
-                entry["arguments"] += delta.function.arguments or ""
-    assert finish == "tool_calls" and deltas > 1  # streamed piece by piece, as vLLM does
-    (only,) = calls.values()
+    streamed = assemble([chunk async for chunk in stream])
+    assert streamed.finish == "tool_calls"
+    assert streamed.deltas > 1  # streamed piece by piece, as vLLM does
+    (only,) = streamed.calls.values()
     assert only["id"].startswith("call_") and only["name"] == call.function.name
     assert json.loads(only["arguments"]) == json.loads(call.function.arguments)
-    assert usage.completion_tokens == response.usage.completion_tokens
+    assert streamed.usage.completion_tokens == response.usage.completion_tokens
 
 
 async def test_max_tokens_cuts_the_arguments_as_a_real_model_would(client):

@@ -38,6 +38,14 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    """The tiny model's own tokenizer: what vLLM counts with."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
 def metrics_port() -> int:
     return inprocess.free_port()
 

@@ -43,11 +43,7 @@ async def vllm_engine(vllm_config) -> AsyncIterator[VLLMEngine]:
 
 
 @pytest.fixture(scope="module")
-def vllm_spec(tiny_model, vllm_config) -> EngineSpec:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-
+def vllm_spec(tokenizer, vllm_config) -> EngineSpec:
     def count_prompt_tokens(body: dict, kind: Kind) -> int:
         """The model's own chat template and tokenizer, as vLLM's serving layer applies them."""
         if kind == "chat":

@@ -25,13 +25,6 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
 LONG_PROMPT = "A gateway keeps the prefix of a long system prompt warm on one replica. " * 20
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
 def chat_prompt_tokens(tokenizer, messages) -> int:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return len(tokenizer.encode(text, add_special_tokens=False))

@@ -45,13 +45,6 @@ async def engine(tiny_model):
     await engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
 def vllm_metric(name: str, **labels: str) -> float:
     """A series of vLLM's own Prometheus metrics, as its /metrics endpoint would show it."""
     from prometheus_client import REGISTRY
