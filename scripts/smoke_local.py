@@ -3,9 +3,10 @@
     python scripts/smoke_local.py   # from the repository root, with .venv installed
 
 Starts ``serve run configs/local.yaml``, waits for the gateway's "is listening" line, sends a
-chat completion (plain and streamed) through http://127.0.0.1:8000/v1 with the official
-``openai`` client, checks that :8000 and HAProxy's own listeners (stats 8404, metrics 9101,
-Serve's backup proxy 8500) listen on 127.0.0.1 only, then stops it with SIGTERM and waits.
+chat completion (plain and streamed) and an embeddings request through
+http://127.0.0.1:8000/v1 with the official ``openai`` client, checks that :8000 and HAProxy's
+own listeners (stats 8404, metrics 9101, Serve's backup proxy 8500) listen on 127.0.0.1 only,
+then stops it with SIGTERM and waits.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def main() -> int:
         chunks = list(client.chat.completions.create(**ask, max_tokens=8, stream=True))
         assert any(c.choices and c.choices[0].delta.content for c in chunks), chunks
         print(f"smoke: chat through :8000: ok ({len(chunks)} chunks streamed)")
+        vectors = client.embeddings.create(model="forge-embed", input=["checkout", "payments"])
+        assert [len(item.embedding) for item in vectors.data] == [384, 384], vectors
+        print("smoke: embeddings through :8000: ok (2 vectors of 384)")
 
         for port, what in PORTS.items():
             hosts = listeners(port)

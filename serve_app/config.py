@@ -93,6 +93,8 @@ class SimulatedEngineConfig(_Strict):
     decode_per_seq_s: Annotated[float, Field(ge=0)] = 0.0
     output_tokens_min: Annotated[int, Field(ge=1)] = 16
     output_tokens_max: Annotated[int, Field(ge=1)] = 64
+    # Length of the vectors a ``task: embed`` pool returns (``engines/embeddings.py``).
+    embedding_dim: Annotated[int, Field(gt=0)] = 384
 
     @model_validator(mode="after")
     def _ranges(self) -> SimulatedEngineConfig:
@@ -245,6 +247,9 @@ class PoolConfig(_Strict):
 
     name: Annotated[str, Field(pattern=_NAME)] = "primary"
     model: Annotated[str, Field(min_length=1)]
+    # What the model does: "generate" serves /v1/chat/completions and /v1/completions, "embed"
+    # serves /v1/embeddings (vLLM's pooling runner; the simulator's deterministic vectors).
+    task: Literal["generate", "embed"] = "generate"
     engine: EngineConfig = SimulatedEngineConfig()
     # Default for requests that omit max_tokens.
     default_max_tokens: Annotated[int, Field(gt=0)] = 256
@@ -256,13 +261,28 @@ class PoolConfig(_Strict):
     idle_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     # Total deadline of a request, streaming or not: long enough for the longest healthy answer.
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    # Whether requests for this pool's model may be served by the fallback backend.
+    # Whether requests for this pool's model may be served by the fallback backend. Never for
+    # an embedding pool: another model's vectors live in another space, so an index built from
+    # this pool's would silently stop matching.
     fallback: bool = True
     admission: AdmissionConfig | None = None
     routing: RoutingConfig = RoutingConfig()
     # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
     # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embeddings_never_fail_over(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("task") == "embed":
+            if data.get("fallback") is True:
+                raise ValueError(
+                    f"pool {data.get('name', 'primary')}: an embedding pool cannot fail over "
+                    "(the fallback's vectors are not comparable with this model's); drop "
+                    "'fallback: true'"
+                )
+            data = {**data, "fallback": False}
+        return data
 
     def engine_identity(self) -> str:
         """What the pool's answers depend on besides the request: the weights and their

@@ -82,6 +82,18 @@ def model_not_found(model: str) -> ForgeError:
     )
 
 
+def wrong_route(model: str, embeddings: bool) -> ForgeError:
+    """A known model asked on a route it does not serve (a chat model's embeddings, or the
+    reverse): the client's mistake, named, instead of a backend's confusion."""
+    if embeddings:
+        message = f"The model `{model}` does not serve embeddings: it is a generation model."
+    else:
+        message = f"The model `{model}` is an embedding model: send its requests to /v1/embeddings."
+    return ForgeError(
+        400, message, type="invalid_request_error", code="unsupported_model", param="model"
+    )
+
+
 def not_found(path: str) -> ForgeError:
     return ForgeError(404, f"No route for {path}.", type="invalid_request_error", code="not_found")
 

@@ -119,6 +119,7 @@ class Gateway:
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
@@ -137,6 +138,9 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         return await self.pipeline.inference(RequestContext(request, "completion"))
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self.pipeline.inference(RequestContext(request, "embedding"))
 
     async def list_models(self, request: Request) -> Response:
         return await self.pipeline.listing(RequestContext(request, "models"))

@@ -20,8 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from serve_app import tokenizer
-from serve_app.protocol import prompt_text
+from serve_app.protocol import count_prompt_tokens
 from serve_app.store import Store, StoreError
 
 # Counters of a day, per model. ``prompt_tokens``/``completion_tokens`` are what the backends
@@ -70,7 +69,7 @@ def charged_tokens(ctx) -> tuple[int, int, bool]:
     if ctx.first_byte_at is None:
         return 0, 0, True
     if ctx.prompt_estimate is None:
-        ctx.prompt_estimate = tokenizer.count_tokens(prompt_text(ctx.body, ctx.route))
+        ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
     return ctx.prompt_estimate, ctx.frames_sent, False
 
 

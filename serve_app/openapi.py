@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 SCHEMA_REF = "#/components/schemas/{model}"
 BEARER = "bearer"  # the security scheme's name in the schema
@@ -81,33 +81,28 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
         "504": _error_ref("The backend timed out"),
     }
     paths: dict[str, Any] = {}
-    for path, model, kind in (
-        ("/v1/chat/completions", ChatCompletionRequest, "chat.completion"),
-        ("/v1/completions", CompletionRequest, "text_completion"),
+    streamed = "with stream: true an SSE stream of {kind} chunks ending with data: [DONE]"
+    for path, model, kind, description in (
+        ("/v1/chat/completions", ChatCompletionRequest, "chat.completion", streamed),
+        ("/v1/completions", CompletionRequest, "text_completion", streamed),
+        ("/v1/embeddings", EmbeddingRequest, "embedding list", None),
     ):
+        content: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+        summary = f"A {kind} object"
+        if description is not None:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+            summary += ", or " + description.format(kind=kind)
         paths[path] = {
             "post": {
                 "tags": ["inference"],
-                "summary": f"Create a {kind}",
-                "operationId": f"create_{kind.replace('.', '_')}",
+                "summary": f"Create a{'n' if kind[0] in 'aeiou' else ''} {kind}",
+                "operationId": f"create_{kind.replace('.', '_').replace(' ', '_')}",
                 "security": security,
                 "requestBody": {
                     "required": True,
                     "content": {"application/json": {"schema": add_component(models, model)}},
                 },
-                "responses": {
-                    "200": {
-                        "description": (
-                            f"A {kind} object, or with stream: true an SSE stream of "
-                            f"{kind} chunks ending with data: [DONE]"
-                        ),
-                        "content": {
-                            "application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}},
-                        },
-                    },
-                    **failures,
-                },
+                "responses": {"200": {"description": summary, "content": content}, **failures},
             }
         }
     paths["/v1/models"] = {

@@ -7,10 +7,17 @@ parameters reach the backends without a gateway release.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from serve_app import errors, tokenizer
 
@@ -71,7 +78,64 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
 
 
-RequestModel = type[ChatCompletionRequest] | type[CompletionRequest]
+_MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's batch
+
+
+class EmbeddingRequest(BaseModel):
+    """``/v1/embeddings``: one input or a batch, as text or as token ids (OpenAI's four forms)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Field(min_length=1)]
+    input: Annotated[
+        Any,
+        Field(description="A string, up to 2048 strings, token ids, or up to 2048 token-id arrays"),
+    ]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _one_of_openai_forms(cls, value: Any) -> Any:
+        if _embedding_input(value):
+            return value
+        raise ValueError(
+            "expected a non-empty string, an array of up to 2048 non-empty strings, an array of "
+            "token ids, or an array of up to 2048 non-empty token-id arrays"
+        )
+
+    # What the stages ask of every inference request: an embedding never streams or generates.
+    @property
+    def stream(self) -> bool:
+        return False
+
+    @property
+    def include_usage(self) -> bool:
+        return False
+
+    def output_limit(self) -> int:
+        return 0
+
+
+def _embedding_input(value: Any) -> bool:
+    def ids(item: Any) -> bool:
+        return (
+            isinstance(item, list)
+            and bool(item)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in item)
+        )
+
+    if isinstance(value, str):
+        return bool(value)
+    if not isinstance(value, list) or not 0 < len(value) <= _MAX_EMBEDDING_INPUTS:
+        return ids(value)
+    if all(isinstance(item, str) and item for item in value):
+        return True
+    return ids(value) or all(ids(item) for item in value)
+
+
+RequestModel = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
 
 
 def parse_request(raw: bytes, model: RequestModel) -> tuple[dict, _SamplingRequest]:
@@ -96,7 +160,7 @@ def parse_request(raw: bytes, model: RequestModel) -> tuple[dict, _SamplingReque
             message = f"Missing required parameter: '{param}'."
             code = "missing_required_parameter"
         else:
-            message = f"Invalid value for '{param}': {first['msg']}."
+            message = f"Invalid value for '{param}': {first['msg'].removeprefix('Value error, ')}."
             code = "invalid_value"
         if param == "n":
             message = "Only n=1 is supported."
@@ -117,6 +181,25 @@ def _param(loc: tuple, body: dict) -> str | None:
             break
         path.append(str(part))
     return ".".join(path) or None
+
+
+def embedding_inputs(body: dict) -> list[str | list[int]]:
+    """The inputs of an embeddings body, as a batch (a lone string or token list is one)."""
+    value = body["input"]
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    return list(value)
+
+
+def count_prompt_tokens(body: dict, kind: str) -> int:
+    """The gateway's count of what the model reads: the quota's reservation and the estimate
+    metering falls back on. Token-id inputs count as themselves."""
+    if kind == "embedding":
+        return sum(
+            len(item) if isinstance(item, list) else tokenizer.count_tokens(item)
+            for item in embedding_inputs(body)
+        )
+    return tokenizer.count_tokens(prompt_text(body, kind))
 
 
 def prompt_text(body: dict, kind: str) -> str:

@@ -61,15 +61,23 @@ class TenantQuota:
 
     def check_fits(self, reserve_tokens: int, prompt_tokens: int, max_tokens: int) -> None:
         """A reservation larger than the bucket could never be granted: say so, don't 429."""
-        if self.tokens is not None and reserve_tokens > self.tokens.capacity:
+        if self.tokens is None or reserve_tokens <= self.tokens.capacity:
+            return
+        budget = f"tenant {self.tenant}'s token budget can ever hold ({int(self.tokens.capacity)})"
+        if max_tokens == 0:  # an embedding: its input is all it reserves
             raise errors.invalid_request(
-                f"This request reserves {reserve_tokens} tokens (about {prompt_tokens} prompt "
-                f"tokens + max_tokens {max_tokens}), more than tenant {self.tenant}'s token "
-                f"budget can ever hold ({int(self.tokens.capacity)}). Lower max_tokens or "
-                "shorten the prompt.",
-                param="max_tokens",
+                f"This request's input is about {prompt_tokens} tokens, more than {budget}. "
+                "Send fewer or shorter inputs.",
+                param="input",
                 code="request_exceeds_token_budget",
             )
+        raise errors.invalid_request(
+            f"This request reserves {reserve_tokens} tokens (about {prompt_tokens} prompt "
+            f"tokens + max_tokens {max_tokens}), more than {budget}. Lower max_tokens or "
+            "shorten the prompt.",
+            param="max_tokens",
+            code="request_exceeds_token_budget",
+        )
 
     def headers(self, buckets: list[Bucket], levels: tuple[float, ...]) -> dict[str, str]:
         """``x-ratelimit-*`` headers in OpenAI's shape, from bucket levels after the take."""

@@ -35,7 +35,7 @@ def build_engine(pool: PoolConfig) -> Engine:
     if pool.engine.kind == "vllm":
         from serve_app.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(pool.model, pool.engine, pool.default_max_tokens)
+        return VLLMEngine(pool.model, pool.engine, pool.default_max_tokens, pool.task)
     raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
 
 

@@ -93,7 +93,7 @@ def build_pipeline(
     stages: list[Stage] = [
         *front,
         MeterStage(ledger, metrics),
-        ParseStage(config.gateway.max_body_bytes),
+        ParseStage(config.gateway.max_body_bytes, model_tasks(config, routes)),
         QuotaStage(
             parts.store,
             metrics,
@@ -123,10 +123,15 @@ def build_pipeline(
 
 
 def cache_stage(config: ForgeConfig, parts: Collaborators) -> list[Stage]:
-    """The response cache, when on, for the pools' models."""
+    """The response cache, when on, for the generation pools' models (embeddings bypass it:
+    an entry holds one completion's text)."""
     if not config.cache.enabled:
         return []
-    pools = {p.model: CachedPool(p.name, p.engine_identity()) for p in config.pools}
+    pools = {
+        p.model: CachedPool(p.name, p.engine_identity())
+        for p in config.pools
+        if p.task == "generate"
+    }
     return [CacheStage(parts.store, parts.metrics, config.cache, pools)]
 
 
@@ -134,6 +139,12 @@ def warm_slots(client: SchedulerClient, admission: AdmissionConfig) -> WarmSlots
     """This replica's view of a pool's slots, with the scheduler's own per-tenant cap."""
     cap = tenant_cap(admission.max_inflight, admission.max_tenant_share)
     return WarmSlots(client, tenant_cap=cap, keep_warm_s=admission.keep_warm_s)
+
+
+def model_tasks(config: ForgeConfig, routes: Mapping[str, object]) -> dict[str, str]:
+    """Served model → what it does; a model only the fallback serves generates."""
+    tasks = {pool.model: pool.task for pool in config.pools}
+    return {model: tasks.get(model, "generate") for model in routes}
 
 
 def model_routes(config: ForgeConfig, backends: Mapping[str, Backend]) -> dict[str, list[Backend]]:

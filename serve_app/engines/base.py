@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "embedding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +130,9 @@ class Engine(ABC):
 
     @abstractmethod
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
-        """Serve a non-streaming request: the OpenAI response body and its usage."""
+        """Serve a non-streaming request: the OpenAI response body and its usage. An
+        ``embedding`` (only ever this way: embeddings do not stream) is served by an engine
+        whose pool has ``task: embed``."""
 
     @abstractmethod
     def stats(self) -> EngineStats: ...

@@ -8,6 +8,7 @@ chunk with ``finish_reason``, and a usage chunk with empty ``choices`` when aske
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -17,10 +18,16 @@ import orjson
 from serve_app import errors, tokenizer
 from serve_app.config import SimulatedEngineConfig
 from serve_app.engines.base import AbandonedUsage, Engine, EngineStats, Kind, Usage
+from serve_app.engines.embeddings import (
+    embed_tokens,
+    embedding_response,
+    encode_vector,
+    output_dimensions,
+)
 from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
 from serve_app.engines.tool_calls import ToolCall, plan_tool_calls
-from serve_app.protocol import prompt_text
+from serve_app.protocol import embedding_inputs, prompt_text
 
 
 class SimulatedEngine(Engine):
@@ -194,6 +201,8 @@ class SimulatedEngine(Engine):
         yield usage
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
+        if kind == "embedding":
+            return await self._embed(body, request_id)
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
         if calls:
             return await self._complete_calls(body, request_id, calls)
@@ -214,6 +223,47 @@ class SimulatedEngine(Engine):
             answer = {"text": text}
         choice = {"index": 0, **answer, "logprobs": None, "finish_reason": finish_reason}
         return self._response(kind, request_id, choice, usage), usage
+
+    async def _embed(self, body: dict, request_id: str) -> tuple[dict, Usage]:
+        """Every input is a request of its own, batched with the rest as vLLM batches them:
+        a slot and a prefill each; the vector follows from the tokens (``embeddings.py``)."""
+        native = self.config.embedding_dim
+        dimensions = output_dimensions(body, native)
+        encoding = body.get("encoding_format") or "float"
+        inputs = [
+            item if isinstance(item, list) else tokenizer.encode(item)
+            for item in embedding_inputs(body)
+        ]
+        limit = self.config.max_model_len
+        for i, ids in enumerate(inputs):
+            if not ids or len(ids) > limit:
+                # vLLM's wording for an input that does not fit.
+                raise errors.invalid_request(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {len(ids)} tokens in the input for embedding generation "
+                    f"(input {i}). Please reduce the length of the input.",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+        self._serial += 1
+        cached = 0
+
+        async def pooled(i: int, ids: list[int]) -> list | str:
+            nonlocal cached
+            try:
+                tokens = self.llm.generate(
+                    f"{request_id}-{self._serial}-{i}", ids, 1, ignore_eos=True, pooling=True
+                )
+            except ValueError as exc:  # more KV blocks than the cache has
+                raise errors.invalid_request(str(exc), param="input") from None
+            async with contextlib.aclosing(tokens):
+                async for out in tokens:
+                    cached += out.num_cached_tokens
+            return encode_vector(embed_tokens(ids, native), dimensions, encoding)
+
+        data = await asyncio.gather(*(pooled(i, ids) for i, ids in enumerate(inputs)))
+        usage = Usage(sum(len(ids) for ids in inputs), 0, cached)
+        return embedding_response(request_id, self.model, data, usage.prompt_tokens), usage
 
     def _response(self, kind: Kind, request_id: str, choice: dict, usage: Usage) -> dict:
         """The non-streaming envelope around one choice, as vLLM returns it."""

@@ -215,6 +215,7 @@ class _Request:
         "num_prompt_tokens",
         "on_abort",
         "pending",
+        "pooling",
         "request_id",
         "seed",
         "state",
@@ -231,8 +232,10 @@ class _Request:
         last_finish_reason: FinishReason,
         num_final_blocks: int,
         on_abort: Callable[[Usage], None] | None = None,
+        pooling: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.pooling = pooling
         self.on_abort = on_abort
         self.num_prompt_tokens = num_prompt_tokens
         self.block_hashes = block_hashes
@@ -341,6 +344,7 @@ class SimulatedLLM:
         seed_text: str | None = None,
         ignore_eos: bool = False,
         on_abort: Callable[[Usage], None] | None = None,
+        pooling: bool = False,
     ) -> AsyncIterator[TokenOutput]:
         """Validate now, return a stream of tokens that queues the request when first iterated.
 
@@ -351,6 +355,9 @@ class SimulatedLLM:
         cancelling its consumer aborts the request at once, and ``on_abort`` hears what the
         aborted request cost: its prompt if it was prefilled, and every token generated for
         it (delivered or not), exactly what the engine's counters added.
+
+        ``pooling``: an embedding, as vLLM's pooling runner serves one: a slot and KV blocks for
+        the prefill, then one output (the pooled state, here a token) that is no generated token.
         """
         cfg = self._config
         num_prompt = len(prompt_token_ids)
@@ -368,7 +375,10 @@ class SimulatedLLM:
         seed = _output_seed(prompt_token_ids, seed_text)
         span = cfg.output_tokens_max - cfg.output_tokens_min + 1
         # ignore_eos (a vLLM sampling parameter): the model never stops on its own.
-        natural = max_tokens if ignore_eos else cfg.output_tokens_min + _mix64(seed) % span
+        if ignore_eos or pooling:
+            natural = max_tokens
+        else:
+            natural = cfg.output_tokens_min + _mix64(seed) % span
         num_output = min(max_tokens, natural)
         request = _Request(
             request_id=request_id,
@@ -379,6 +389,7 @@ class SimulatedLLM:
             last_finish_reason="length" if ignore_eos or max_tokens < natural else "stop",
             num_final_blocks=_ceil_div(num_prompt + num_output, cfg.block_size),
             on_abort=on_abort,
+            pooling=pooling,
         )
         return self._stream(request)
 
@@ -524,7 +535,7 @@ class SimulatedLLM:
         """End of step: one token for every running request."""
         block_size = self._config.block_size
         num_words = len(OUTPUT_WORDS)
-        self._generation_tokens += len(self._running)
+        self._generation_tokens += sum(not r.pooling for r in self._running.values())
         for request in list(self._running.values()):
             index = request.num_generated
             word = _mix64(request.seed + index + 1) % num_words

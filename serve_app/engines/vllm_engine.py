@@ -19,7 +19,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -44,7 +44,13 @@ class VLLMEngine(Engine):
     vLLM can serve; ``start`` then builds the serving layer, which needs the event loop.
     """
 
-    def __init__(self, model: str, config: VLLMEngineConfig, default_max_tokens: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        config: VLLMEngineConfig,
+        default_max_tokens: int,
+        task: Literal["generate", "embed"] = "generate",
+    ) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -57,7 +63,7 @@ class VLLMEngine(Engine):
         # nothing is recorded and the gateway charges its estimate (counted as estimated).
         self.abandoned = AbandonedUsage()
         self._load = SchedulerLoad()
-        self._args = vllm_server_args(model, config)
+        self._args = vllm_server_args(model, config, task)
         engine_args = AsyncEngineArgs.from_cli_args(self._args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
@@ -71,6 +77,8 @@ class VLLMEngine(Engine):
         )
         self._chat = None
         self._completion = None
+        self._embedding = None
+        self._started = False
 
     def _stat_loggers(self) -> list:
         """Forge's tap on the scheduler's numbers, and where vLLM's own metrics go.
@@ -91,7 +99,7 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         """vLLM's serving layer, built exactly as ``vllm serve`` builds it (``init_app_state``)."""
-        if self._chat is not None:
+        if self._started:
             return
         from starlette.datastructures import State
 
@@ -107,8 +115,11 @@ class VLLMEngine(Engine):
         if "vllm_config" in parameters:
             kwargs["vllm_config"] = self.llm.vllm_config
         await init_app_state(self.llm, state, self._args, **kwargs)
-        self._chat = state.openai_serving_chat
-        self._completion = state.openai_serving_completion
+        # A generation model has the first two, a pooling model the last (None: not served).
+        self._chat = getattr(state, "openai_serving_chat", None)
+        self._completion = getattr(state, "openai_serving_completion", None)
+        self._embedding = getattr(state, "serving_embedding", None)
+        self._started = True
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -147,6 +158,8 @@ class VLLMEngine(Engine):
         """Run one request through vLLM's serving layer; its 4xx become Forge's 4xx."""
         await self.start()
         serving = self._chat if kind == "chat" else self._completion
+        if serving is None:  # the gateway sends no such request (its parse stage refuses it)
+            raise errors.wrong_route(self.model, embeddings=False)
         try:
             if kind == "chat":
                 result = await serving.create_chat_completion(request, raw_request=None)
@@ -188,6 +201,8 @@ class VLLMEngine(Engine):
         yield usage
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
+        if kind == "embedding":
+            return await self._embed(body, request_id)
         request, vllm_ids = self._request(body, kind, request_id, stream=False)
         try:
             response = await self._serve(request, kind)
@@ -197,6 +212,45 @@ class VLLMEngine(Engine):
         # What vLLM's server returns for it (JSONResponse(content=response.model_dump())).
         body_out = response.model_dump()
         return body_out, _usage_of(body_out["usage"])
+
+    async def _embed(self, body: dict, request_id: str) -> tuple[dict, Usage]:
+        """``/v1/embeddings`` through vLLM's ``ServingEmbedding`` (what ``vllm serve`` runs for a
+        pooling model), its JSON response taken as it would be sent."""
+        from pydantic import TypeAdapter, ValidationError
+        from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+
+        await self.start()
+        if self._embedding is None:
+            raise errors.invalid_request(
+                "This pool's model does not serve embeddings (vLLM's runner is not 'pooling').",
+                param="model",
+                code="unsupported_model",
+            )
+        self._serial += 1
+        base_id = f"{request_id}-{self._serial}"
+        try:
+            request = TypeAdapter(EmbeddingRequest).validate_python(
+                {**body, "model": self.model, "request_id": base_id}
+            )
+        except ValidationError as exc:
+            raise errors.invalid_request(_first_error(exc)) from None
+        inputs = body.get("input")
+        count = len(inputs) if isinstance(inputs, list) and not isinstance(inputs[0], int) else 1
+        try:
+            result = await self._embedding(request, raw_request=None)
+        except asyncio.CancelledError:
+            await self._abort([f"embd-{base_id}-{i}" for i in range(count)])
+            raise
+        except Exception as exc:  # vLLM's front end maps these with its exception handlers
+            result = _error_response_for(self._embedding, exc)
+        error = getattr(result, "error", None)
+        if error is not None:
+            raise _forge_error(error.code, error.message, error.param)
+        response = orjson.loads(result.body)
+        if result.status_code >= 400:
+            error = response.get("error") or {}
+            raise _forge_error(result.status_code, error.get("message", ""), error.get("param"))
+        return response, _usage_of(response["usage"])
 
     async def _abort(self, vllm_ids: list[str]) -> None:
         with contextlib.suppress(Exception):  # already finished, or the engine is gone
@@ -277,11 +331,15 @@ class SchedulerLoad:
         """Sleep mode is not used by Forge."""
 
 
-def vllm_server_args(model: str, config: VLLMEngineConfig) -> argparse.Namespace:
+def vllm_server_args(
+    model: str, config: VLLMEngineConfig, task: Literal["generate", "embed"] = "generate"
+) -> argparse.Namespace:
     """The arguments ``vllm serve`` would have parsed, from Forge's config.
 
     Starting from vLLM's own parser keeps every default (engine and OpenAI front end) exactly as
-    ``vllm serve`` has it; only what the config names is changed.
+    ``vllm serve`` has it; only what the config names is changed. An embedding pool runs vLLM's
+    pooling runner (a causal LM is converted to an embedding model, as ``--runner pooling``
+    does); ``engine_args`` may still name ``convert`` or ``pooler_config``.
     """
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -302,6 +360,7 @@ def vllm_server_args(model: str, config: VLLMEngineConfig) -> argparse.Namespace
         "gpu_memory_utilization": config.gpu_memory_utilization,
         # Usage carries cached_tokens, which metering and the routing experiments read.
         "enable_prompt_tokens_details": True,
+        **({"runner": "pooling"} if task == "embed" else {}),
         **config.engine_args,
     }
     unknown = sorted(name for name in config.engine_args if not hasattr(args, name))

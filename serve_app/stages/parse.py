@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from starlette.responses import Response
 
 from serve_app import errors, protocol
 from serve_app.pipeline import Handler, RequestContext
 
-_MODELS = {"chat": protocol.ChatCompletionRequest, "completion": protocol.CompletionRequest}
+_MODELS = {
+    "chat": protocol.ChatCompletionRequest,
+    "completion": protocol.CompletionRequest,
+    "embedding": protocol.EmbeddingRequest,
+}
 # A client's own deadline, in seconds: ours, then the one the OpenAI SDKs send with every call.
 _TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
 
 
 class ParseStage:
-    def __init__(self, max_body_bytes: int) -> None:
+    def __init__(self, max_body_bytes: int, tasks: Mapping[str, str] | None = None) -> None:
         self.max_body_bytes = max_body_bytes
+        self.tasks = dict(tasks or {})  # served model → "generate" or "embed"
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         raw = await self._read(ctx)
         ctx.body, ctx.parsed = protocol.parse_request(raw, _MODELS[ctx.route])
+        task = self.tasks.get(ctx.parsed.model)  # unknown models are dispatch's 404
+        if task is not None and (task == "embed") != (ctx.route == "embedding"):
+            raise errors.wrong_route(ctx.parsed.model, embeddings=ctx.route == "embedding")
         ctx.client_timeout_s = _client_timeout(ctx)
         return await call_next(ctx)
 

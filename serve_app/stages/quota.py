@@ -17,12 +17,11 @@ from collections.abc import Mapping
 
 from starlette.responses import Response
 
-from serve_app import tokenizer
 from serve_app.config import TenantConfig
 from serve_app.metering import charged_tokens
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
-from serve_app.protocol import prompt_text
+from serve_app.protocol import count_prompt_tokens
 from serve_app.quota import TenantQuota
 from serve_app.stages.store_failures import StoreFailures
 from serve_app.store import Store, StoreError
@@ -50,10 +49,10 @@ class QuotaStage:
         quota = self.quotas[ctx.tenant.name]
         if quota.unlimited:
             return await call_next(ctx)
-        prompt_tokens = ctx.prompt_estimate = tokenizer.count_tokens(
-            prompt_text(ctx.body, ctx.route)
-        )
-        max_tokens = ctx.parsed.output_limit() or self.default_max_tokens.get(ctx.parsed.model, 256)
+        prompt_tokens = ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
+        max_tokens = ctx.parsed.output_limit()
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens.get(ctx.parsed.model, 256)
         reserved = prompt_tokens + max_tokens
         quota.check_fits(reserved, prompt_tokens, max_tokens)
         buckets, amounts = quota.plan(reserved)

@@ -156,6 +156,14 @@ def forge_args(port: int, redis_url: str | None) -> dict:
                 "routing": {"policy": "round_robin"},  # the bad replica gets its share
                 "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
             },
+            {
+                # /v1/embeddings for the client matrix (test_clients.py): never failed over.
+                "name": "embed",
+                "model": "forge-embed",
+                "task": "embed",
+                "engine": {**fast, "embedding_dim": 256},
+                "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
+            },
             *(
                 {
                     # Routing policies that keep a prompt prefix on the replica that has it.

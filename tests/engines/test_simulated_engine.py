@@ -245,3 +245,29 @@ async def test_collect_waits_for_an_abort_that_lands_after_the_question(make_eng
     await stream.aclose()
     usage = await asked
     assert usage is not None and usage.completion_tokens == engine.stats().generation_tokens
+
+
+async def test_embeddings_take_slots_and_prefill_but_generate_nothing(make_engine):
+    """As vLLM's pooling runner: each input is a request (a slot, its prompt prefilled and
+    counted, the prefix cache queried), and no generated token is counted."""
+    engine = make_engine(max_num_seqs=2, prefill_base_s=0.01, embedding_dim=32)
+    inputs = ["one two three", "four five", "six seven eight nine"]
+    body = {"model": MODEL, "input": inputs}
+    running = []
+
+    async def watch() -> None:
+        while True:
+            running.append(engine.stats().num_requests_running)
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.create_task(watch())
+    response, usage = await engine.complete(body, "embedding", "emb-1")
+    watcher.cancel()
+    stats = engine.stats()
+    tokens = sum(tokenizer.count_tokens(text) for text in inputs)
+    assert usage == Usage(tokens, 0, 0)
+    assert response["usage"]["prompt_tokens"] == tokens
+    assert [len(item["embedding"]) for item in response["data"]] == [32, 32, 32]
+    assert max(running) == 2  # three inputs, two slots: batched, never over the engine's size
+    assert stats.prompt_tokens == stats.prefix_cache_queries == tokens
+    assert stats.generation_tokens == 0

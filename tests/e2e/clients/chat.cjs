@@ -1,5 +1,6 @@
-// The official openai Node client against Forge: a chat (streamed or not) and a tool call.
-// node chat.cjs <base-url> <key> <model> <plain|stream|tool>; prints one JSON line.
+// The official openai Node client against Forge: a chat (streamed or not), a tool call, and
+// embeddings (the model is then an embedding model).
+// node chat.cjs <base-url> <key> <model> <plain|stream|tool|embed>; prints one JSON line.
 // CommonJS, so NODE_PATH finds the package where .ci/run installed it (ES modules ignore it).
 const OpenAI = require("openai");
 
@@ -37,6 +38,12 @@ async function main() {
     const response = await client.chat.completions.create({ model, messages, tools, max_tokens: 64 });
     const call = response.choices[0].message.tool_calls[0];
     out = { name: call.function.name, arguments: JSON.parse(call.function.arguments) };
+  } else if (mode === "embed") {
+    // The client asks for base64 and decodes it to floats, as the Python client does.
+    const response = await client.embeddings.create({ model, input: ["checkout", "payments"] });
+    const norms = response.data.map((d) => Math.hypot(...d.embedding));
+    out = { count: response.data.length, dims: response.data[0].embedding.length, norms,
+            prompt_tokens: response.usage.prompt_tokens };
   } else {
     const response = await client.chat.completions.create({ model, messages, max_tokens: 16 });
     out = { text: response.choices[0].message.content, completion_tokens: response.usage.completion_tokens };
