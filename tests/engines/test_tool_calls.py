@@ -7,6 +7,7 @@ import json
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from serve_app.auth import hash_key
@@ -145,6 +146,81 @@ async def test_the_official_client_gets_one_complete_call_streamed_or_not(client
     assert only["id"].startswith("call_") and only["name"] == call.function.name
     assert json.loads(only["arguments"]) == json.loads(call.function.arguments)
     assert streamed.usage.completion_tokens == response.usage.completion_tokens
+
+
+async def test_a_parallel_tool_call_is_two_calls_in_one_message_streamed_or_not(client):
+    both = [{"role": "user", "content": "get service status, then open ticket for checkout"}]
+    response = await client.chat.completions.create(**body(both))
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in message.tool_calls] == ["get_service_status", "open_ticket"]
+    assert len({c.id for c in message.tool_calls}) == 2
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+
+    stream = await client.chat.completions.create(**body(both), stream=True)
+    streamed = assemble([chunk async for chunk in stream])
+    assert sorted(streamed.calls) == [0, 1]
+    assert [streamed.calls[i]["name"] for i in (0, 1)] == ["get_service_status", "open_ticket"]
+    for i, call in enumerate(message.tool_calls):
+        assert json.loads(streamed.calls[i]["arguments"]) == json.loads(call.function.arguments)
+
+
+TICKET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "priority": {"type": "integer"},
+        "urgent": {"type": "boolean"},
+        "labels": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["title", "priority", "urgent", "labels"],
+}
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA}},
+    ],
+)
+async def test_json_mode_through_the_official_client_streamed_or_not(client, response_format):
+    ask = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "A ticket for the checkout outage, as JSON."}],
+        "response_format": response_format,
+        "max_tokens": 400,
+    }
+    plain = await client.chat.completions.create(**ask)
+    stream = await client.chat.completions.create(**ask, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    for answer in (plain.choices[0].message.content, text):
+        parsed = json.loads(answer)
+        assert isinstance(parsed, dict)
+        if response_format["type"] == "json_schema":
+            jsonschema.validate(parsed, TICKET_SCHEMA)
+    assert json.loads(text) == json.loads(plain.choices[0].message.content)  # deterministic
+
+
+async def test_the_clients_structured_output_helper_parses_into_a_pydantic_model(client):
+    """``chat.completions.parse``: the client sends the model's strict JSON schema and parses
+    the answer back into it (an answer off the schema would raise here)."""
+
+    class Ticket(pydantic.BaseModel):
+        title: str
+        priority: int
+        urgent: bool
+        labels: list[str]
+
+    completion = await client.chat.completions.parse(
+        model="m",
+        messages=[{"role": "user", "content": "A ticket for the checkout outage."}],
+        response_format=Ticket,
+        max_tokens=400,
+    )
+    ticket = completion.choices[0].message.parsed
+    assert isinstance(ticket, Ticket) and ticket.title
 
 
 async def test_max_tokens_cuts_the_arguments_as_a_real_model_would(client):
