@@ -35,6 +35,7 @@ from starlette.responses import Response
 
 from serve_app import errors, metering
 from serve_app.auth import AdminKeys, KeyRing
+from serve_app.auth_throttle import FailedAuthThrottle, authenticate
 from serve_app.backends.base import PoolControl
 from serve_app.config import ForgeConfig, ModelPrice, TenantConfig
 from serve_app.faults import FaultSpec
@@ -174,7 +175,7 @@ async def require_admin(request: Request, _: Credentials) -> None:
     authorization = request.headers.get("authorization")
     if request.app.state.admin_keys.is_admin(authorization):
         return
-    request.app.state.keyring.tenant_for(authorization)  # an unknown key: 401
+    _tenant(request, authorization)  # an unknown key: 401 (429 once throttled)
     raise errors.admin_key_required()
 
 
@@ -183,7 +184,13 @@ async def require_tenant(request: Request, _: Credentials) -> TenantConfig:
     authorization = request.headers.get("authorization")
     if request.app.state.admin_keys.is_admin(authorization):
         raise errors.tenant_key_required()
-    return request.app.state.keyring.tenant_for(authorization)
+    return _tenant(request, authorization)
+
+
+def _tenant(request: Request, authorization: str | None) -> TenantConfig:
+    state = request.app.state
+    address = request.client.host if request.client else None
+    return authenticate(state.keyring, authorization, address, state.auth_throttle)
 
 
 # -- the app ---------------------------------------------------------------------------------
@@ -206,9 +213,11 @@ def build_admin_api(
     breakers: BreakerClient,
     pools: Mapping[str, PoolControl],
     status: Callable[[], Awaitable[dict]],
+    auth_throttle: FailedAuthThrottle | None = None,
 ) -> FastAPI:
     """The usage and admin routes, and ``/openapi.json`` for the whole gateway. ``pools``: pool
-    name → its control, for fault injection; ``status``: what ``/admin/status`` shows."""
+    name → its control, for fault injection; ``status``: what ``/admin/status`` shows;
+    ``auth_throttle``: the inference routes' own, so wrong keys count the same everywhere."""
     tenants = {t.name: t for t in config.tenants}
     app = FastAPI(
         title="Forge",
@@ -353,6 +362,7 @@ def build_admin_api(
     app.openapi = openapi
     app.state.admin_keys = AdminKeys.from_config(config)
     app.state.keyring = keyring
+    app.state.auth_throttle = auth_throttle
     return app
 
 

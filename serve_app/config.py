@@ -458,8 +458,31 @@ class TracingConfig(_Strict):
     sample_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
 
 
+class AuthThrottleConfig(_Strict):
+    """Wrong keys (``serve_app/auth_throttle.py``): past these many in ``window_s`` from one
+    client address or under one key prefix, the answer is 429 + Retry-After instead of 401.
+    Behind a proxy that adds no X-Forwarded-For every client shares an address: keep that limit
+    well above any honest client's mistakes. A valid key is never throttled."""
+
+    max_failures_per_address: Annotated[int, Field(gt=0)] = 200
+    max_failures_per_prefix: Annotated[int, Field(gt=0)] = 50
+    window_s: Annotated[float, Field(gt=0)] = 60.0
+    max_tracked: Annotated[int, Field(gt=0)] = 10_000  # addresses and prefixes remembered
+
+
 class GatewayConfig(_Strict):
+    """Limits on what one request may bring, with safe defaults; each breach is an
+    OpenAI-shaped 4xx before anything is spent on the request."""
+
     max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
+    # Messages in one chat request (a long agent transcript is hundreds).
+    max_messages: Annotated[int, Field(gt=0)] = 2048
+    # Request headers, names and values summed (431 above it).
+    max_header_bytes: Annotated[int, Field(gt=0)] = 32 << 10
+    # The whole body must arrive within this (a body sent a byte at a time is a 408).
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # None: no throttle (every wrong key is a 401).
+    auth_throttle: AuthThrottleConfig | None = AuthThrottleConfig()
     # Gateway replica deployment options (num_replicas, ray_actor_options, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
 

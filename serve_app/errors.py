@@ -116,6 +116,24 @@ def payload_too_large(limit: int) -> ForgeError:
     )
 
 
+def headers_too_large(limit: int) -> ForgeError:
+    return ForgeError(
+        431,
+        f"Request headers are larger than the {limit} bytes this gateway accepts.",
+        type="invalid_request_error",
+        code="request_headers_too_large",
+    )
+
+
+def body_timeout(seconds: float) -> ForgeError:
+    return ForgeError(
+        408,
+        f"The request body did not arrive within {seconds:g} s.",
+        type="invalid_request_error",
+        code="request_timeout",
+    )
+
+
 def admin_key_required() -> ForgeError:
     return ForgeError(
         403,

@@ -20,12 +20,15 @@ from collections.abc import AsyncIterator
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from serve_app.admin_api import build_admin_api, http_error
+from serve_app.auth_throttle import FailedAuthThrottle
 from serve_app.config import ForgeConfig
+from serve_app.header_limit import HeaderLimit
 from serve_app.metering import UsageLedger
 from serve_app.pipeline import RequestContext
 from serve_app.resilience.breaker import State
@@ -67,8 +70,24 @@ class Gateway:
             flush_s=config.metering.flush_s,
             on_error=lambda exc: store_failed("meter", exc),
         )
+        throttle = config.gateway.auth_throttle
+        self.auth_throttle = (
+            FailedAuthThrottle(
+                throttle,
+                lambda: parts.metrics.shed.inc(
+                    tags={"tenant": "anonymous", "reason": "auth_throttle"}
+                ),
+            )
+            if throttle is not None
+            else None
+        )
         self.pipeline = build_pipeline(
-            config, parts, routes=routes, list_models=self._list_models, ledger=self.ledger
+            config,
+            parts,
+            routes=routes,
+            list_models=self._list_models,
+            ledger=self.ledger,
+            auth_throttle=self.auth_throttle,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -125,11 +144,18 @@ class Gateway:
                 Route("/readyz", self.readyz, methods=["GET"]),
             ],
             exception_handlers={HTTPException: http_error},
+            middleware=[Middleware(HeaderLimit, max_bytes=self.config.gateway.max_header_bytes)],
             lifespan=self.lifespan,
         )
         pools = {name: b.pool for name, b in self.backends.items() if b.pool is not None}
         app.router.default = build_admin_api(
-            self.config, self.keyring, self.ledger, self.breakers, pools, status=self.status
+            self.config,
+            self.keyring,
+            self.ledger,
+            self.breakers,
+            pools,
+            status=self.status,
+            auth_throttle=self.auth_throttle,
         )
         return app
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from opentelemetry.trace import Tracer
 
 from serve_app.auth import KeyRing
+from serve_app.auth_throttle import FailedAuthThrottle
 from serve_app.backends.base import Backend
 from serve_app.config import AdmissionConfig, ForgeConfig
 from serve_app.metering import UsageLedger
@@ -81,19 +82,24 @@ def build_pipeline(
     routes: Mapping[str, Sequence[Backend]],
     list_models: Handler,
     ledger: UsageLedger | None = None,
+    auth_throttle: FailedAuthThrottle | None = None,
 ) -> Pipeline:
     """The request path. ``routes``: model → its backends in order of preference; ``ledger``
-    keeps usage per tenant and day (None: Prometheus only); with ``parts.tracer``, a root span
-    first and a span per stage."""
+    keeps usage per tenant and day (None: Prometheus only); ``auth_throttle`` turns repeated
+    wrong keys into 429s; with ``parts.tracer``, a root span first and a span per stage."""
     metrics, schedulers, tracer = parts.metrics, parts.schedulers, parts.tracer
-    front: list[Stage] = [RequestIdStage(), TelemetryStage(metrics), AuthStage(parts.keyring)]
+    front: list[Stage] = [
+        RequestIdStage(),
+        TelemetryStage(metrics),
+        AuthStage(parts.keyring, auth_throttle),
+    ]
     admitted = [p for p in config.pools if p.admission is not None and p.name in schedulers]
     if not config.metering.enabled:
         ledger = None
     stages: list[Stage] = [
         *front,
         MeterStage(ledger, metrics),
-        ParseStage(config.gateway.max_body_bytes, model_tasks(config, routes)),
+        ParseStage(config.gateway, model_tasks(config, routes)),
         QuotaStage(
             parts.store,
             metrics,

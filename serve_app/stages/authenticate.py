@@ -1,17 +1,26 @@
-"""Bearer key → tenant, before anything else touches the request. Fails closed."""
+"""Bearer key → tenant, before anything else touches the request. Fails closed: a wrong key is
+a 401, or a 429 once its client keeps sending wrong keys (``serve_app/auth_throttle.py``)."""
 
 from __future__ import annotations
 
 from starlette.responses import Response
 
 from serve_app.auth import KeyRing
+from serve_app.auth_throttle import FailedAuthThrottle, authenticate
 from serve_app.pipeline import Handler, RequestContext
 
 
 class AuthStage:
-    def __init__(self, keyring: KeyRing) -> None:
+    def __init__(self, keyring: KeyRing, throttle: FailedAuthThrottle | None = None) -> None:
         self.keyring = keyring
+        self.throttle = throttle
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
-        ctx.tenant = self.keyring.tenant_for(ctx.request.headers.get("authorization"))
+        request = ctx.request
+        ctx.tenant = authenticate(
+            self.keyring,
+            request.headers.get("authorization"),
+            request.client.host if request.client else None,
+            self.throttle,
+        )
         return await call_next(ctx)

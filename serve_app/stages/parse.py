@@ -1,13 +1,16 @@
-"""Read the body under a size limit and validate it; 413 and 400 are decided here."""
+"""Read the body under its limits (size, time) and validate it: 413, 408 and 400 are decided
+here, before quota or admission spend anything on the request."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping
 
 from starlette.responses import Response
 
 from serve_app import errors, protocol
+from serve_app.config import GatewayConfig
 from serve_app.pipeline import Handler, RequestContext
 
 _MODELS = {
@@ -20,13 +23,26 @@ _TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
 
 
 class ParseStage:
-    def __init__(self, max_body_bytes: int, tasks: Mapping[str, str] | None = None) -> None:
-        self.max_body_bytes = max_body_bytes
+    def __init__(self, limits: GatewayConfig, tasks: Mapping[str, str] | None = None) -> None:
+        self.max_body_bytes = limits.max_body_bytes
+        self.max_messages = limits.max_messages
+        self.body_timeout_s = limits.body_timeout_s
         self.tasks = dict(tasks or {})  # served model → "generate" or "embed"
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
-        raw = await self._read(ctx)
+        try:
+            raw = await asyncio.wait_for(self._read(ctx), self.body_timeout_s)
+        except TimeoutError:
+            raise errors.body_timeout(self.body_timeout_s) from None
         ctx.body, ctx.parsed = protocol.parse_request(raw, _MODELS[ctx.route])
+        messages = getattr(ctx.parsed, "messages", None)
+        if messages is not None and len(messages) > self.max_messages:
+            raise errors.invalid_request(
+                f"This request has {len(messages)} messages; this gateway accepts at most "
+                f"{self.max_messages}.",
+                param="messages",
+                code="too_many_messages",
+            )
         task = self.tasks.get(ctx.parsed.model)  # unknown models are dispatch's 404
         if task is not None and (task == "embed") != (ctx.route == "embedding"):
             raise errors.wrong_route(ctx.parsed.model, embeddings=ctx.route == "embedding")

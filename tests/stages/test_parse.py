@@ -7,6 +7,7 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from serve_app.config import GatewayConfig
 from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.stages.parse import ParseStage
@@ -39,7 +40,7 @@ async def parsed(headers: dict[str, str]) -> RequestContext:
     async def endpoint(c: RequestContext) -> Response:
         return Response()
 
-    await ParseStage(1 << 20)(ctx, endpoint)
+    await ParseStage(GatewayConfig(max_body_bytes=1 << 20))(ctx, endpoint)
     return ctx
 
 
