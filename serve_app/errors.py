@@ -222,3 +222,36 @@ def error_response(err: ForgeError, headers: dict[str, str] | None = None) -> Re
 def error_event(err: ForgeError) -> bytes:
     """The SSE event that ends a stream honestly when it fails after the first byte."""
     return b"data: " + orjson.dumps(err.body()) + b"\n\n"
+
+
+# A replica's refusal of a request travels back as an item, not as a raised error: Serve writes
+# a raised error's message (which quotes the request: a tool's name, a field) to the replica's
+# log. The gateway raises it again (``raise_if_refused``).
+_REFUSED = "refused"
+
+
+def refusal_item(err: ForgeError) -> dict:
+    return {
+        _REFUSED: {
+            "status": err.status,
+            "message": err.message,
+            "type": err.type,
+            "code": err.code,
+            "param": err.param,
+            "headers": err.headers,
+        }
+    }
+
+
+def raise_if_refused(item: object) -> None:
+    """Raise the refusal ``item`` carries, if it is one."""
+    if isinstance(item, dict) and _REFUSED in item:
+        r = item[_REFUSED]
+        raise ForgeError(
+            r["status"],
+            r["message"],
+            type=r["type"],
+            code=r["code"],
+            param=r["param"],
+            headers=r["headers"],
+        )

@@ -55,6 +55,7 @@ class RequestContext:
     frames: list[bytes] | None = None
     frames_budget: int = 0  # bytes of frames still to keep; past it, ``frames`` is dropped
     prompt_estimate: int | None = None  # the gateway's count of the prompt, once made
+    model_served: bool = False  # set by parse: the body's model is one this gateway serves
 
     @property
     def tenant_name(self) -> str:
@@ -65,6 +66,13 @@ class RequestContext:
         """The model asked for, once the body is validated ("none" before, or for listings)."""
         model = getattr(self.parsed, "model", None)
         return model if isinstance(model, str) else "none"
+
+    @property
+    def model_label(self) -> str:
+        """The model as metrics, logs and usage records name it: a served model's name, else
+        "unknown" (a client must not write text into Prometheus or mint a series per name)."""
+        model = self.model_name
+        return model if self.model_served or model == "none" else "unknown"
 
 
 class Stage(Protocol):
@@ -207,7 +215,11 @@ def traced_endpoint(endpoint: Handler, tracer: Tracer, name: str) -> Handler:
     async def handler(ctx: RequestContext) -> Response:
         span = tracer.start_span(name)
         try:
-            with trace.use_span(span, end_on_exit=False):
+            # Exceptions are not recorded: their messages may quote the request (a tool name,
+            # an upstream's words about the prompt); the span says only the error's type.
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
                 response = await endpoint(ctx)
         except BaseException as exc:
             span.set_attribute("forge.error", type(exc).__name__)

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from ray import serve
 from ray.serve.metrics import Gauge
 
+from serve_app import errors
 from serve_app.config import PoolConfig, TracingConfig
 from serve_app.engines.base import Engine, Kind, Usage
 from serve_app.faults import FaultInjector, FaultSpec
@@ -67,7 +68,23 @@ class Replica:
     async def stream(
         self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
     ) -> AsyncIterator[list]:
-        """Stream one request as lists of ready items; the first list starts with metadata."""
+        """Stream one request as lists of ready items; the first list starts with metadata.
+        A refusal (a 4xx, before any frame) is the one item of the one list
+        (``errors.refusal_item``), never an exception Serve would log with its message."""
+        source = self._stream(body, kind, request_id, trace_context)
+        try:
+            async for batch in source:
+                yield batch
+        except errors.ForgeError as err:
+            if err.status >= 500:
+                raise
+            yield [errors.refusal_item(err)]
+        finally:
+            await source.aclose()
+
+    async def _stream(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None
+    ) -> AsyncIterator[list]:
         self.open_streams += 1
         try:
             with self._span(trace_context, request_id) as span:
@@ -166,7 +183,12 @@ class Replica:
         long non-streaming generation would look "not yet assigned" for its whole duration,
         and a hung one could not be charged to its replica. A stream announces itself at once.
         """
-        yield await self.complete(body, kind, request_id, trace_context)
+        try:
+            yield await self.complete(body, kind, request_id, trace_context)
+        except errors.ForgeError as err:
+            if err.status >= 500:
+                raise
+            yield errors.refusal_item(err)  # see ``stream``
 
     async def abandoned_usage(
         self, wait_s: float = 1.0, *, request_id: str, replica_id: str | None = None

@@ -6,7 +6,8 @@ import hashlib
 
 import pytest
 
-from serve_app.auth import KEY_PREFIX, KeyRing, hash_key, new_key
+from serve_app import auth
+from serve_app.auth import KEY_PREFIX, AdminKeys, KeyRing, hash_key, new_key
 from serve_app.config import TenantConfig
 from serve_app.errors import ForgeError
 
@@ -111,3 +112,20 @@ def test_key_hashes_file_rejects_unknown_tenants_and_bad_hashes(tmp_path, conten
     path.write_text(content)
     with pytest.raises(ValueError):
         load_key_hashes_file(str(path), ["alpha"])
+
+
+def test_keys_are_compared_as_digests_in_constant_time_on_a_hit_and_a_miss(monkeypatch):
+    """Every lookup ends in ``hmac.compare_digest`` of two full digests, a miss included (so a
+    miss costs what a hit costs), and no plaintext key ever reaches the comparison."""
+    calls, real = [], auth.hmac.compare_digest
+    monkeypatch.setattr(
+        auth.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b)
+    )
+    ring = KeyRing([TenantConfig(name="alpha", key_hashes=[hash_key("sk-alpha")])])
+    admins = AdminKeys([hash_key("sk-admin")])
+    assert ring.tenant_for("Bearer sk-alpha").name == "alpha"
+    with pytest.raises(ForgeError):
+        ring.tenant_for("Bearer sk-wrong")
+    assert admins.is_admin("Bearer sk-admin") and not admins.is_admin("Bearer sk-wrong")
+    assert len(calls) == 4 and all(len(a) == len(b) == 64 for a, b in calls)
+    assert not any("sk-" in a + b for a, b in calls)

@@ -78,7 +78,7 @@ class FallbackBackend:
         response = await self._send(request, stream=True, deadline=deadline)
         try:
             if response.status_code >= 400:
-                raise _upstream_error(response.status_code, await response.aread())
+                raise _upstream_error(response.status_code, await response.aread(), request)
             frames = sse.split_frames(response.aiter_raw())
             c = self.config
             paced_frames = paced(
@@ -116,7 +116,7 @@ class FallbackBackend:
         )
         response = await self._send(request, stream=False, deadline=self._deadline(budget_s))
         if response.status_code >= 400:
-            raise _upstream_error(response.status_code, response.content)
+            raise _upstream_error(response.status_code, response.content, request)
         try:
             return {"response": orjson.loads(response.content), "replica": None}
         except orjson.JSONDecodeError:
@@ -182,9 +182,12 @@ def _decode(event: bytes) -> dict:
         raise errors.bad_gateway("The fallback model sent a malformed event.") from None
 
 
-def _upstream_error(status: int, content: bytes) -> errors.ForgeError:
-    """Upstream's 4xx about the request are the client's: pass their message on. Its 5xx, and
-    4xx about *us* (our credentials, our quota with the provider), are a failing backend."""
+def _upstream_error(
+    status: int, content: bytes, request: httpx.Request | None = None
+) -> errors.ForgeError:
+    """Upstream's 4xx about the request are the client's: pass their message on, with Forge's
+    credentials cut out of it (an upstream may quote the headers it got). Its 5xx, and 4xx about
+    *us* (our credentials, our quota with the provider), are a failing backend."""
     if status in (401, 403):
         return errors.bad_gateway(
             f"The fallback model refused Forge's credentials (HTTP {status})."
@@ -200,4 +203,19 @@ def _upstream_error(status: int, content: bytes) -> errors.ForgeError:
         type_, code = detail.get("type"), detail.get("code")
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         pass
-    return errors.ForgeError(status, message, type=type_ or "invalid_request_error", code=code)
+    return errors.ForgeError(
+        status, _redacted(str(message), request), type=type_ or "invalid_request_error", code=code
+    )
+
+
+def _redacted(text: str, request: httpx.Request | None) -> str:
+    """``text`` without the credential Forge sent (the header's value, and its token alone)."""
+    if request is None:
+        return text
+    for name in ("authorization", "x-goog-api-key", "api-key"):
+        value = request.headers.get(name)
+        if not value:
+            continue
+        for secret in {value, value.partition(" ")[2].strip()} - {""}:
+            text = text.replace(secret, "[redacted]")
+    return text

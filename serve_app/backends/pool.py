@@ -114,6 +114,7 @@ class PoolBackend(BridgedPool):
         try:
             await self._connect(gen, deadline)
             async for batch in paced(gen, t.first_token_s, t.idle_s, deadline, "The model"):
+                errors.raise_if_refused(batch[0])
                 yield batch
             finished = True
         except errors.ForgeError:
@@ -135,7 +136,7 @@ class PoolBackend(BridgedPool):
         deadline = loop.time() + min(self.timeouts.total_s, budget_s or self.timeouts.total_s)
         try:
             await self._connect(response, deadline)
-            return await asyncio.wait_for(anext(response), max(deadline - loop.time(), 0))
+            answer = await asyncio.wait_for(anext(response), max(deadline - loop.time(), 0))
         except asyncio.CancelledError:
             _cancel(response)
             raise
@@ -145,6 +146,8 @@ class PoolBackend(BridgedPool):
         except Exception as exc:
             _cancel(response)
             raise _as_forge_error(exc) from exc
+        errors.raise_if_refused(answer)
+        return answer
 
     async def _connect(self, response, deadline: float) -> None:
         timeout = min(self.timeouts.connect_s, deadline - asyncio.get_running_loop().time())

@@ -61,7 +61,7 @@ class CacheStage:
             else "model"  # served by the fallback alone: nothing of it is ever kept
         )
         if reason is not None:
-            return await self._bypass(ctx, call_next, model)
+            return await self._bypass(ctx, call_next, ctx.model_label)
         scope = "shared" if ctx.tenant.cache_scope == "shared" else "tenant:" + ctx.tenant.name
         key = cache_key(scope, model, pool.engine_identity, ctx.route, ctx.body)
         try:

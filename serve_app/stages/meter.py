@@ -72,4 +72,4 @@ def usage_record(ctx: RequestContext, status: int, day: str) -> UsageRecord:
     failure = error_class(status)
     if failure is not None:
         counts[f"errors_{failure}"] = 1
-    return UsageRecord(ctx.tenant_name, ctx.model_name, day, counts)
+    return UsageRecord(ctx.tenant_name, ctx.model_label, day, counts)

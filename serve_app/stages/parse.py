@@ -44,6 +44,7 @@ class ParseStage:
                 code="too_many_messages",
             )
         task = self.tasks.get(ctx.parsed.model)  # unknown models are dispatch's 404
+        ctx.model_served = task is not None
         if task is not None and (task == "embed") != (ctx.route == "embedding"):
             raise errors.wrong_route(ctx.parsed.model, embeddings=ctx.route == "embedding")
         ctx.client_timeout_s = _client_timeout(ctx)

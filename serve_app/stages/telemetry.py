@@ -42,10 +42,11 @@ class TelemetryStage:
         now = time.perf_counter()
         ttft = ctx.first_byte_at - ctx.started if ctx.first_byte_at else None
         duration = now - ctx.started
+        model = ctx.model_label
         self.metrics.record(
             tenant=ctx.tenant_name,
             route=ctx.route,
-            model=ctx.model_name,
+            model=model,
             backend=ctx.backend,
             status=status,
             ttft_s=ttft,
@@ -60,7 +61,7 @@ class TelemetryStage:
                         "request_id": ctx.request_id,
                         "tenant": ctx.tenant_name,
                         "route": ctx.route,
-                        "model": ctx.model_name,
+                        "model": model,
                         "backend": ctx.backend,
                         "replica": ctx.replica,
                         "status": status,

@@ -28,7 +28,11 @@ class TraceStage:
             attributes={"forge.route": str(ctx.route), "http.request.method": ctx.request.method},
         )
         try:
-            with trace.use_span(span, end_on_exit=False):
+            # Not the exception itself: its message may quote the request (forge.error is
+            # its type).
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
                 response = await call_next(ctx)
         except BaseException as exc:
             span.set_attribute("forge.error", type(exc).__name__)

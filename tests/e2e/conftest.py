@@ -48,6 +48,11 @@ LIMITED_TENANTS = {
     "gate-quota": {"rpm": 1, "burst_requests": 5},
     # No budgets: the agent and the client matrix (test_agent.py, test_clients.py).
     "agents": {},
+    # The fuzzer's and the hostile cases' own (test_fuzz.py, test_hostile.py): a stream cap and
+    # a token bucket that refills slowly, so a leaked lease or reservation shows afterwards.
+    "fuzz": {"tpm": 60, "burst_tokens": 1_000_000, "max_concurrent_streams": 4},
+    "hostile": {"tpm": 60, "burst_tokens": 1_000_000, "max_concurrent_streams": 2},
+    "hygiene": {},  # markers that must reach no log file or metric (test_log_hygiene.py)
 }
 ROUTED_POLICIES = ("prefix_affinity", "kv_aware")
 # Tenants of the fair-admission pool: one floods, one is light.
@@ -268,6 +273,8 @@ def forge_url(redis_server, metrics_port):
     from serve_app.app import build_app
     from serve_app.mock_openai import build_mock
 
+    # Ray's workers inherit the driver's environment; a runtime_env would carry the key too,
+    # but Ray's runtime_env agent writes every runtime_env, env_vars included, to its log.
     os.environ["FORGE_TEST_FALLBACK_KEY"] = FALLBACK_KEY
     ray.init(
         num_cpus=2,
@@ -276,7 +283,6 @@ def forge_url(redis_server, metrics_port):
         log_to_driver=False,
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": 500},
-        runtime_env={"env_vars": {"FORGE_TEST_FALLBACK_KEY": FALLBACK_KEY}},
     )
     port = inprocess.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
