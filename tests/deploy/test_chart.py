@@ -27,9 +27,11 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import ipaddress
 import json
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -546,17 +548,20 @@ def gpu_group(rayservice: dict) -> dict:
     return group
 
 
-def test_gpu_group_advertises_what_the_pool_asks_for(rendered):
+def test_gpu_group_advertises_what_the_pools_ask_for(rendered):
+    """Every GPU pool (the chat model's and the embedding model's) fits one T4 worker."""
     rayservice = rendered.one("RayService")
-    (pool,) = [d for d in deployments(rendered) if d.resources.get("GPU")]
+    pools = [d for d in deployments(rendered) if d.resources.get("GPU")]
+    assert {p.name for p in pools} == {"pool-primary", "pool-embed"}
     name = gpu_group(rayservice)["groupName"]
     node = autoscaling_config(rayservice)["available_node_types"][name]
     assert node["min_workers"] == 0
-    assert node["resources"]["GPU"] >= pool.resources["GPU"]
-    assert node["resources"]["CPU"] >= pool.resources["CPU"]
     assert node["resources"]["accelerator_type:T4"] == 1
     assert node["resources"]["memory"] > 0
-    assert fits(node["resources"], pool.resources)
+    for pool in pools:
+        assert node["resources"]["GPU"] >= pool.resources["GPU"]
+        assert node["resources"]["CPU"] >= pool.resources["CPU"]
+        assert fits(node["resources"], pool.resources)
 
 
 def test_every_deployment_has_a_group_to_scale(rendered):
@@ -564,7 +569,7 @@ def test_every_deployment_has_a_group_to_scale(rendered):
     names = {n: {d.name for d in ds} for n, ds in placed.items()}
     assert names["headgroup"] == {"scheduler-primary", "breaker-board"}
     assert names["cpu"] == {"gateway", "scheduler-primary", "breaker-board"}
-    assert names["gpu-t4"] == {"pool-primary"}
+    assert names["gpu-t4"] == {"pool-primary", "pool-embed"}
 
 
 def test_a_gpu_group_without_the_accelerator_resource_cannot_scale_the_pool(renders):
@@ -861,6 +866,243 @@ def test_network_policy_check_catches_ray_ports_open_to_the_namespace(renders):
     policy = copy.deepcopy(renders["production"].one("NetworkPolicy"))
     policy["spec"]["ingress"][1]["from"][0]["podSelector"] = {}
     assert policy_problems(renders["production"], policy) == ["pods {}: every port"]
+
+
+# Who may reach each port of a Ray pod (docs/listeners.md, "GKE"), as the NetworkPolicy must
+# admit it: Serve's entry point from anywhere, everything Ray-internal from the release's own Ray
+# pods only, the dashboard from the KubeRay operator (people: kubectl port-forward, the kubelet's
+# path), metrics from Prometheus. Ranges are every port Ray may pick: the raylet, object manager
+# and agents' ports and each replica's inter-deployment gRPC server are random (the kernel's
+# ephemeral range; the replicas' on every interface), workers' gRPC 10002-19999 (`ray start`).
+# EVERYONE in a row: every source, in or out of the cluster.
+EVERYONE = "anywhere"
+RAY_PODS = "the release's Ray pods"
+OPERATOR = "the KubeRay operator"
+PROMETHEUS = "Prometheus"
+PORT_TABLE: dict[str, tuple[Sequence[int], frozenset[str]]] = {
+    "Serve (HAProxy, Serve's proxy)": (range(8000, 8001), frozenset({EVERYONE})),
+    "GCS": (range(6379, 6380), frozenset({RAY_PODS})),
+    "Ray client": (range(10001, 10002), frozenset({RAY_PODS})),
+    "workers' gRPC": (range(10002, 20000), frozenset({RAY_PODS})),
+    "direct ingress": (range(30000, 31001), frozenset({RAY_PODS})),
+    "Serve's backup proxy": (range(8500, 8501), frozenset({RAY_PODS})),
+    "HAProxy stats": (range(8404, 8405), frozenset({RAY_PODS})),
+    # Linux's ephemeral range, but the fixed ports below that lie in it.
+    "raylet, object manager, agents, replicas' gRPC (random)": (
+        tuple(p for p in range(32768, 61000) if p not in {44217, 44227, 52365}),
+        frozenset({RAY_PODS}),
+    ),
+    "dashboard": (range(8265, 8266), frozenset({RAY_PODS, OPERATOR})),
+    "dashboard agent HTTP": (range(52365, 52366), frozenset({RAY_PODS, OPERATOR})),
+    "Ray metrics": (range(8080, 8081), frozenset({RAY_PODS, PROMETHEUS})),
+    "autoscaler metrics": (range(44217, 44218), frozenset({RAY_PODS, PROMETHEUS})),
+    "dashboard metrics": (range(44227, 44228), frozenset({RAY_PODS, PROMETHEUS})),
+    "HAProxy Prometheus exporter": (range(9101, 9102), frozenset({RAY_PODS, PROMETHEUS})),
+}
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where a connection comes from: an address, and for a pod its namespace and labels."""
+
+    ip: str
+    namespace: str | None = None  # None: not a pod (a client outside the cluster)
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def peers(render: Render) -> dict[str, Peer]:
+    """One of each kind of source the policy tells apart, plus the ones it must refuse."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]
+    ray_labels = groups(render.one("RayService"))["cpu"]["template"]["metadata"]["labels"]
+    return {
+        EVERYONE: Peer("203.0.113.7"),
+        "a pod in another namespace": Peer("10.8.3.4", "default", (("app", "web"),)),
+        "another pod of the namespace": Peer("10.8.0.9", NAMESPACE, (("app", "redis-proxy"),)),
+        RAY_PODS: Peer("10.8.0.5", NAMESPACE, tuple(sorted(ray_labels.items()))),
+        OPERATOR: Peer(
+            "10.8.1.2",
+            values["operatorNamespace"],
+            (("app.kubernetes.io/name", "kuberay-operator"),),
+        ),
+        PROMETHEUS: Peer(
+            "10.8.2.3", values["monitoringNamespace"], (("app.kubernetes.io/name", "prometheus"),)
+        ),
+    }
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels; matchExpressions In/NotIn/Exists/DoesNotExist)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values")
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and labels.get(key) in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def _peer_matches(rule_peer: dict, peer: Peer, policy_namespace: str) -> bool:
+    if "ipBlock" in rule_peer:
+        block = rule_peer["ipBlock"]
+        address = ipaddress.ip_address(peer.ip)
+        return address in ipaddress.ip_network(block["cidr"]) and not any(
+            address in ipaddress.ip_network(e) for e in block.get("except", [])
+        )
+    if peer.namespace is None:  # pod and namespace selectors select pods only
+        return False
+    if "namespaceSelector" in rule_peer:
+        namespace_labels = {"kubernetes.io/metadata.name": peer.namespace}
+        if not _matches(rule_peer["namespaceSelector"], namespace_labels):
+            return False
+    elif peer.namespace != policy_namespace:
+        return False
+    return _matches(rule_peer.get("podSelector", {}), dict(peer.labels))
+
+
+def admits(policy: dict, peer: Peer, port: int) -> bool:
+    """Whether the policy's ingress rules let ``peer`` open a TCP connection to ``port``."""
+    for rule in policy["spec"].get("ingress", []):
+        ports = rule.get("ports") or [{}]  # none listed: every port
+        port_ok = any(
+            p.get("protocol", "TCP") == "TCP"
+            and ("port" not in p or p["port"] <= port <= p.get("endPort", p["port"]))
+            for p in ports
+        )
+        sources = rule.get("from") or [{"ipBlock": {"cidr": "0.0.0.0/0"}}]  # none: everyone
+        namespace = policy["metadata"]["namespace"]
+        if port_ok and any(_peer_matches(s, peer, namespace) for s in sources):
+            return True
+    return False
+
+
+def admission_problems(render: Render, policy: dict | None = None) -> list[str]:
+    """The policy selects every Ray pod, and admits to each port of PORT_TABLE exactly the
+    sources the table names: one line per role and source that differ."""
+    policy = policy or render.one("NetworkPolicy")
+    sources = peers(render)
+    problems = []
+    if "Ingress" not in policy["spec"].get("policyTypes", []):
+        problems.append("no Ingress policy: every port open")
+    for name, group in groups(render.one("RayService")).items():
+        if not _matches(policy["spec"]["podSelector"], group["template"]["metadata"]["labels"]):
+            problems.append(f"{name} pods are not selected: every port open")
+    if any(
+        isinstance(p.get("port"), str)
+        for r in policy["spec"].get("ingress", [])
+        for p in r.get("ports") or []
+    ):
+        problems.append("a named port: not checked here")
+    for role, (ports, allowed) in PORT_TABLE.items():
+        for source, peer in sources.items():
+            expected = EVERYONE in allowed or source in allowed
+            wrong = [port for port in ports if admits(policy, peer, port) != expected]
+            if wrong:
+                verb = "admits" if not expected else "refuses"
+                span = f"{wrong[0]}" if len(wrong) == 1 else f"{wrong[0]}-{wrong[-1]}"
+                problems.append(f"{role} ({span}): {verb} {source}")
+    return problems
+
+
+def test_network_policy_admits_each_port_exactly_its_sources(rendered):
+    assert admission_problems(rendered) == []
+
+
+def test_port_table_names_every_port_the_ray_pods_declare(rendered):
+    """A port a Ray container declares (the head's and workers' named ports) is in the table."""
+    tabled = set().union(*(set(ports) for ports, _ in PORT_TABLE.values()))
+    for name, spec in pod_specs(rendered.one("RayService")).items():
+        declared = {p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
+        assert declared <= tabled, f"{name}: {sorted(declared - tabled)} not in PORT_TABLE"
+
+
+@pytest.mark.parametrize(
+    "breakage, problem",
+    [
+        ("gcs to all", "GCS (6379): admits anywhere"),
+        ("all ports to the namespace", "GCS (6379): admits another pod of the namespace"),
+        (
+            "dashboard to everyone in the cluster",
+            "dashboard (8265): admits a pod in another namespace",
+        ),
+        ("gpu pods unselected", "gpu-t4 pods are not selected: every port open"),
+        ("prometheus locked out", "Ray metrics (8080): refuses Prometheus"),
+    ],
+)
+def test_admission_check_catches(renders, breakage, problem):
+    render = renders["production"]
+    policy = copy.deepcopy(render.one("NetworkPolicy"))
+    ingress = policy["spec"]["ingress"]
+    if breakage == "gcs to all":
+        ingress.append({"ports": [{"port": 6379, "protocol": "TCP"}]})
+    elif breakage == "all ports to the namespace":
+        ingress[1]["from"][0]["podSelector"] = {}
+    elif breakage == "dashboard to everyone in the cluster":
+        ingress.append({"from": [{"namespaceSelector": {}}], "ports": [{"port": 8265}]})
+    elif breakage == "gpu pods unselected":
+        policy["spec"]["podSelector"] = {
+            "matchLabels": {"app.kubernetes.io/component": "ray-worker-cpu"}
+        }
+    else:
+        ingress[3]["ports"] = [p for p in ingress[3]["ports"] if p["port"] != 8080]
+    assert problem in admission_problems(render, policy)
+
+
+# --- Ray's token -----------------------------------------------------------------------------
+
+RAY_TOKEN_SECRET = "forge-ray-token"  # docs/deploy.md creates it under this name
+RAY_TOKEN_KEY = "auth_token"  # the key KubeRay's authOptions.secretName reads
+
+
+def token_problems(rayservice: dict) -> list[str]:
+    """Token authentication on: KubeRay's authOptions name the Secret (its dashboard calls send
+    the token), and every Ray container of every group, and the autoscaler, take RAY_AUTH_MODE
+    and RAY_AUTH_TOKEN from it."""
+    problems = []
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    auth = cluster.get("authOptions", {})
+    if auth.get("mode") != "token":
+        problems.append("authOptions.mode is not token")
+    if auth.get("secretName") != RAY_TOKEN_SECRET:
+        problems.append(f"authOptions.secretName is not {RAY_TOKEN_SECRET}")
+    containers = {
+        f"{group}/{c['name']}": c
+        for group, spec in pod_specs(rayservice).items()
+        for c in spec["containers"]
+    }
+    containers["autoscaler"] = cluster.get("autoscalerOptions", {})
+    for name, container in containers.items():
+        env = {e["name"]: e for e in container.get("env", [])}
+        if env.get("RAY_AUTH_MODE", {}).get("value") != "token":
+            problems.append(f"{name}: RAY_AUTH_MODE is not token")
+        ref = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
+        if ref != {"name": RAY_TOKEN_SECRET, "key": RAY_TOKEN_KEY}:
+            problems.append(f"{name}: RAY_AUTH_TOKEN is not {RAY_TOKEN_SECRET}/{RAY_TOKEN_KEY}")
+    return problems
+
+
+def test_every_ray_container_takes_the_token_from_the_secret(rendered):
+    assert token_problems(rendered.one("RayService")) == []
+
+
+def test_token_check_catches_a_container_without_it_and_auth_off(renders):
+    rayservice = copy.deepcopy(renders["production"].one("RayService"))
+    worker = pod_specs(rayservice)["gpu-t4"]["containers"][0]
+    worker["env"] = [e for e in worker["env"] if e["name"] != "RAY_AUTH_TOKEN"]
+    autoscaler = rayservice["spec"]["rayClusterConfig"]["autoscalerOptions"]
+    autoscaler["env"][0]["value"] = "disabled"
+    del rayservice["spec"]["rayClusterConfig"]["authOptions"]
+    assert token_problems(rayservice) == [
+        "authOptions.mode is not token",
+        f"authOptions.secretName is not {RAY_TOKEN_SECRET}",
+        f"gpu-t4/ray-worker: RAY_AUTH_TOKEN is not {RAY_TOKEN_SECRET}/{RAY_TOKEN_KEY}",
+        "autoscaler: RAY_AUTH_MODE is not token",
+    ]
 
 
 # --- monitoring ------------------------------------------------------------------------------

@@ -32,6 +32,31 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (include "forge.fullname" .) .Values.serviceAccount.name }}
 {{- end }}
 
+{{/*
+Ray's cluster token: a Secret the chart references, never creates (as every secret here), with
+the key auth_token (the key KubeRay's authOptions.secretName reads).
+*/}}
+{{- define "forge.rayTokenSecret" -}}
+{{- printf "%s-ray-token" (include "forge.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Ray's token authentication, for every container that runs Ray or talks to it (head, workers,
+the autoscaler): RAY_AUTH_MODE=token, the token from the Secret. With it Ray refuses any call
+without the token: GCS, raylets, workers, the replicas' gRPC servers (on every interface), the
+dashboard. Ray 2.60 turns it on by itself only for a cluster ray.init starts (a laptop), not for
+`ray start` (KubeRay).
+*/}}
+{{- define "forge.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "forge.rayTokenSecret" . }}
+      key: auth_token
+{{- end }}
+
 {{/* An image reference: repository@digest when a digest is set, else repository:tag. */}}
 {{- define "forge.image" -}}
 {{- if .digest }}
@@ -108,6 +133,7 @@ Arguments: root, group (the group's values).
 {{- if lt $drain 1 }}
 {{- fail "terminationGracePeriodSeconds must exceed preStopSleepSeconds + drain.exitMarginSeconds" }}
 {{- end -}}
+{{ include "forge.rayAuthEnv" $root }}
 # Ray drains on SIGTERM: Serve moves or stops this node's replicas within this.
 - name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
   value: {{ $drain | quote }}
