@@ -204,6 +204,25 @@ def upstream_timeout(message: str = "The model backend timed out.") -> ForgeErro
     return ForgeError(504, message, type="api_error", code="upstream_timeout")
 
 
+def client_closed() -> ForgeError:
+    """The client left before its request was read (nginx's 499): nobody sees the answer; it
+    is counted as a disconnect, never as a server error."""
+    return ForgeError(
+        499, "The client closed the request.", type="invalid_request_error", code="client_closed"
+    )
+
+
+def client_deadline(seconds: float) -> ForgeError:
+    """The client's own deadline (``x-request-timeout``) ran out: a 504, but not the backend's
+    failure, so no breaker hears of it."""
+    return ForgeError(
+        504,
+        f"The request did not finish within the client's own deadline ({seconds:g} s).",
+        type="api_error",
+        code="client_deadline_exceeded",
+    )
+
+
 def internal_error() -> ForgeError:
     # Deliberately vague: details go to the log with the request id, never to the client.
     return ForgeError(500, "Internal gateway error.", type="api_error", code="internal_error")

@@ -144,7 +144,13 @@ class Gateway:
                 Route("/readyz", self.readyz, methods=["GET"]),
             ],
             exception_handlers={HTTPException: http_error},
-            middleware=[Middleware(HeaderLimit, max_bytes=self.config.gateway.max_header_bytes)],
+            middleware=[
+                Middleware(
+                    HeaderLimit,
+                    max_bytes=self.config.gateway.max_header_bytes,
+                    max_body_bytes=self.config.gateway.max_body_bytes,
+                )
+            ],
             lifespan=self.lifespan,
         )
         pools = {name: b.pool for name, b in self.backends.items() if b.pool is not None}

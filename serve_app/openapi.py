@@ -90,7 +90,15 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
         content: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
         summary = f"A {kind} object"
         if description is not None:
-            content["text/event-stream"] = {"schema": {"type": "string"}}
+            # One server-sent event, as OpenAPI 3.1 readers take a stream's schema: its data
+            # line is a JSON chunk, or [DONE] at the end.
+            content["text/event-stream"] = {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"data": {"type": "string"}},
+                }
+            }
             summary += ", or " + description.format(kind=kind)
         paths[path] = {
             "post": {

@@ -67,6 +67,21 @@ class RequestContext:
         model = getattr(self.parsed, "model", None)
         return model if isinstance(model, str) else "none"
 
+    def own_timeout(self, err: Exception) -> Exception:
+        """A backend timeout that fired because the *client's* deadline ran out is the client's
+        doing: a 504 that no breaker hears of (else one tenant sending ``x-request-timeout:
+        0.001`` would open a pool's breakers for every tenant)."""
+        deadline = self.client_timeout_s
+        if (
+            deadline is not None
+            and getattr(err, "code", None) == "upstream_timeout"
+            and time.perf_counter() - self.started >= deadline - 0.01
+        ):
+            from serve_app import errors  # errors imports nothing of ours; keep this light
+
+            return errors.client_deadline(deadline)
+        return err
+
     @property
     def model_label(self) -> str:
         """The model as metrics, logs and usage records name it: a served model's name, else

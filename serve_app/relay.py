@@ -40,7 +40,8 @@ async def relay(
                 yield out
         outcome = Outcome.SUCCESS
         yield sse.DONE
-    except errors.ForgeError as err:
+    except errors.ForgeError as failed:
+        err = ctx.own_timeout(failed)
         outcome = classify(err)
         ctx.stream_error = err.message
         yield errors.error_event(err)

@@ -13,16 +13,18 @@ from serve_app.resilience.breaker import Outcome
 
 # Codes of 5xx that say "busy", not "broken": fail over, but do not open a breaker over load.
 _BUSY_CODES = frozenset({"backend_at_capacity"})
+# 5xx that no other backend could do better: the client's own deadline has run out.
+_FINAL_CODES = frozenset({"client_deadline_exceeded"})
 
 
 def classify(error: ForgeError | None) -> Outcome:
     if error is None or error.status < 500:
         return Outcome.SUCCESS
-    if error.code in _BUSY_CODES:
+    if error.code in _BUSY_CODES or error.code in _FINAL_CODES:
         return Outcome.NEUTRAL
     return Outcome.FAILURE
 
 
 def retryable(error: ForgeError) -> bool:
     """Worth another backend: the backend failed or was busy; a 4xx would fail anywhere."""
-    return error.status >= 500
+    return error.status >= 500 and error.code not in _FINAL_CODES

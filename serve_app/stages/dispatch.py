@@ -111,9 +111,12 @@ class Dispatch:
         while (attempt := await plan.next(failure, probed)) is not None:
             try:
                 return await self._serve(ctx, attempt, candidates)
-            except errors.ForgeError as err:
+            except errors.ForgeError as failed:
+                err = ctx.own_timeout(failed)
                 attempt.settle(ctx, classify(err))
                 _event("forge.attempt_failed", backend=attempt.backend.name, status=err.status)
+                if err is not failed:
+                    raise err from None  # the client's own deadline: final, nobody's fault
                 if not retryable(err):
                     raise
                 failure, probed = err, attempt.probe or attempt.replica_probe

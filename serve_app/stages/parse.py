@@ -7,6 +7,7 @@ import asyncio
 import math
 from collections.abc import Mapping
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from serve_app import errors, protocol
@@ -34,6 +35,8 @@ class ParseStage:
             raw = await asyncio.wait_for(self._read(ctx), self.body_timeout_s)
         except TimeoutError:
             raise errors.body_timeout(self.body_timeout_s) from None
+        except ClientDisconnect:
+            raise errors.client_closed() from None
         ctx.body, ctx.parsed = protocol.parse_request(raw, _MODELS[ctx.route])
         messages = getattr(ctx.parsed, "messages", None)
         if messages is not None and len(messages) > self.max_messages:
