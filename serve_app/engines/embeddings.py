@@ -21,7 +21,9 @@ import numpy as np
 from serve_app import errors
 
 
-@functools.lru_cache(maxsize=65536)
+# One direction per token seen lately: ~3 kB each at 384 dimensions, so at most ~25 MB (the
+# soak showed an unbounded-looking climb at 65,536 entries, ~200 MB at 384).
+@functools.lru_cache(maxsize=8192)
 def _direction(token_id: int, dim: int) -> np.ndarray:
     return np.random.default_rng(token_id & 0xFFFFFFFFFFFFFFFF).standard_normal(dim)
 
