@@ -28,9 +28,9 @@ from starlette.routing import Route
 from serve_app.admin_api import build_admin_api, http_error
 from serve_app.auth_throttle import FailedAuthThrottle
 from serve_app.config import ForgeConfig
-from serve_app.header_limit import HeaderLimit
 from serve_app.metering import UsageLedger
 from serve_app.pipeline import RequestContext
+from serve_app.request_limits import RequestLimits
 from serve_app.resilience.breaker import State
 from serve_app.resilience.health import HealthWatch
 from serve_app.stack import Collaborators, build_pipeline, model_routes
@@ -146,7 +146,7 @@ class Gateway:
             exception_handlers={HTTPException: http_error},
             middleware=[
                 Middleware(
-                    HeaderLimit,
+                    RequestLimits,
                     max_bytes=self.config.gateway.max_header_bytes,
                     max_body_bytes=self.config.gateway.max_body_bytes,
                 )

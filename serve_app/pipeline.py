@@ -19,6 +19,7 @@ from opentelemetry.trace import Tracer
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from serve_app import errors
 from serve_app.config import TenantConfig
 from serve_app.engines.base import Kind
 
@@ -77,8 +78,6 @@ class RequestContext:
             and getattr(err, "code", None) == "upstream_timeout"
             and time.perf_counter() - self.started >= deadline - 0.01
         ):
-            from serve_app import errors  # errors imports nothing of ours; keep this light
-
             return errors.client_deadline(deadline)
         return err
 

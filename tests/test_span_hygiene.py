@@ -31,6 +31,7 @@ from serve_app.config import load_config
 from serve_app.gateway import Gateway
 from serve_app.local import build_local_gateway
 from serve_app.mock_openai import create_mock_app
+from tests.hygiene import marked
 from tests.polling import eventually_async
 from tests.test_gateway import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_args
 
@@ -39,30 +40,7 @@ PROMPT_MARK = "promptmark52d08b6a"
 ANSWER_MARK = "answermark9e41c7d3"
 MARKERS = (KEY_MARK, PROMPT_MARK, ANSWER_MARK, KEY, UPSTREAM_KEY)
 EMBED_MODEL = "forge-embed"
-MESSAGES = [{"role": "user", "content": f"Please look up {PROMPT_MARK}"}]
-# A property without a type is filled from its enum: the answer carries the marker.
-TAGGED = {
-    "type": "json_schema",
-    "json_schema": {
-        "name": "tagged",
-        "schema": {
-            "type": "object",
-            "properties": {"tag": {"enum": [ANSWER_MARK]}, "answer": {"type": "string"}},
-            "required": ["tag", "answer"],
-        },
-    },
-}
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "enum": [ANSWER_MARK]}},
-            "required": ["code"],
-        },
-    },
-}
+MESSAGES, TAGGED, LOOKUP = marked(PROMPT_MARK, ANSWER_MARK)
 ANSWERS = ({"response_format": TAGGED}, {"tools": [LOOKUP], "tool_choice": "required"})
 
 

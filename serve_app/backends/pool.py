@@ -114,7 +114,6 @@ class PoolBackend(BridgedPool):
         try:
             await self._connect(gen, deadline)
             async for batch in paced(gen, t.first_token_s, t.idle_s, deadline, "The model"):
-                errors.raise_if_refused(batch[0])
                 yield batch
             finished = True
         except errors.ForgeError:

@@ -213,6 +213,8 @@ class Dispatch:
         stream = backend.stream(ctx.body, ctx.route, ctx.request_id, budget_s)
         try:
             first = await anext(stream, [])
+            if first:  # a replica's refusal is its first and only batch (``Replica.stream``)
+                errors.raise_if_refused(first[0])
         except BaseException:
             await stream.aclose()
             raise

@@ -32,7 +32,8 @@ class ParseStage:
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         try:
-            raw = await asyncio.wait_for(self._read(ctx), self.body_timeout_s)
+            async with asyncio.timeout(self.body_timeout_s):  # no task per request, unlike wait_for
+                raw = await self._read(ctx)
         except TimeoutError:
             raise errors.body_timeout(self.body_timeout_s) from None
         except ClientDisconnect:

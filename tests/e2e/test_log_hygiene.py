@@ -24,6 +24,7 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FALLBACK_KEY, tenant_key
+from tests.hygiene import marked
 from tests.polling import eventually
 
 pytestmark = pytest.mark.e2e
@@ -43,31 +44,7 @@ CHAOS_DEPLOYMENT = "pool-chaos"
 # the fallback's key to its workers that way (test_rays_runtime_env_log_...).
 RUNTIME_ENV_LOG = "runtime_env_agent"
 
-MESSAGES = [{"role": "user", "content": f"Please look up {PROMPT_MARK}"}]
-# The simulated model fills a property without a type from its enum: the answer carries the
-# marker, the prompt does not.
-TAGGED = {
-    "type": "json_schema",
-    "json_schema": {
-        "name": "tagged",
-        "schema": {
-            "type": "object",
-            "properties": {"tag": {"enum": [ANSWER_MARK]}, "answer": {"type": "string"}},
-            "required": ["tag", "answer"],
-        },
-    },
-}
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "enum": [ANSWER_MARK]}},
-            "required": ["code"],
-        },
-    },
-}
+MESSAGES, TAGGED, LOOKUP = marked(PROMPT_MARK, ANSWER_MARK)
 
 
 class Traffic:

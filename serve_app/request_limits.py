@@ -19,7 +19,7 @@ from serve_app import errors
 _PIPELINE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
-class HeaderLimit:
+class RequestLimits:
     def __init__(self, app: ASGIApp, max_bytes: int, max_body_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
