@@ -22,17 +22,23 @@ def free_port() -> int:
 
 
 _port: int | None = None
+# Where Ray's metrics agent serves every process's metrics (Prometheus text) while Ray runs.
+metrics_port: int | None = None
 
 
 def _start_ray_and_proxy() -> int:
     import ray
     from ray import serve
 
+    global metrics_port
+    metrics_port = free_port()
     ray.init(
         num_cpus=2,
         object_store_memory=100 * 1024 * 1024,
         include_dashboard=False,
         log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

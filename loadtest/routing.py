@@ -2,13 +2,16 @@
 
     python -m loadtest.routing [--duration 20] [--out loadtest/results/routing.json]
 
-4 simulated replicas whose prefill costs 0.2 ms per uncached prompt token (a 1.5k-token system
-prompt: ~300 ms cold, ~0 hot) and whose prefix cache holds about half of the 20 system prompts.
-Main workload: 80 % of requests start with one of 20 system prompts (1–2k tokens), 20 % are
-unique. Skewed workload: one system prompt takes 50 % of all traffic. Closed loop, 16 clients,
-through the gateway (direct ingress). Every policy gets a fresh application (cold caches).
-The oracle row is the best hit rate the request sequence allows: every shared prompt misses once,
-then always hits its full blocks; unique prompts never hit.
+Simulated replicas whose prefill costs 0.2 ms per uncached prompt token (a 1.5k-token system
+prompt: ~300 ms cold, ~0 hot), chunked at vLLM's default budget of 2,048 tokens a step, and
+whose prefix cache holds about 10 system prompts each. Main workload (4 replicas): 80 % of
+requests start with one of 20 system prompts (1–2k tokens), 20 % are unique. Skewed (4
+replicas): one system prompt takes 50 % of all traffic. Pressure (8 replicas): 200 system
+prompts, about twice what the 8 caches hold together, so replicas evict all the time and the
+routers' indexes must follow. Closed loop, 16 clients, through the gateway (direct ingress).
+Every policy gets a fresh application (cold caches). The oracle is the best hit rate the
+request sequence allows with unbounded caches: every shared prompt misses once, then always
+hits its full blocks; unique prompts never hit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import json
 import random
 import time
 from pathlib import Path
+
+import httpx
 
 from loadtest import plots
 from loadtest.http_load import closed_loop
@@ -37,7 +42,10 @@ ENGINE = {
     "prefill_per_token_s": 0.0002,
     "decode_base_s": 0.01,
     "decode_per_seq_s": 0.0005,
+    "max_num_batched_tokens": 2048,
 }
+# workload → (replicas, system prompts, share of the hottest prompt or None)
+WORKLOADS = {"main": (4, 20, None), "skewed": (4, 20, 0.5), "pressure": (8, 200, None)}
 WORDS = tokenizer.OUTPUT_WORDS
 
 
@@ -48,11 +56,13 @@ def _text(rng: random.Random, tokens: int) -> str:
 class Workload:
     """A seeded request mix; also counts what an oracle cache could have hit."""
 
-    def __init__(self, skewed: bool, seed: int = 7) -> None:
+    def __init__(self, system_prompts: int, hot_share: float | None, seed: int = 7) -> None:
         self.rng = random.Random(seed)
         prompts_rng = random.Random(1)
-        self.system = [_text(prompts_rng, prompts_rng.randint(1000, 2000)) for _ in range(20)]
-        self.skewed = skewed
+        self.system = [
+            _text(prompts_rng, prompts_rng.randint(1000, 2000)) for _ in range(system_prompts)
+        ]
+        self.hot_share = hot_share
         self.seen: set[int] = set()
         self.prompt_tokens = 0
         self.oracle_hits = 0
@@ -62,7 +72,7 @@ class Workload:
         rng = self.rng
         self.n += 1
         user = {"role": "user", "content": f"question {self.n}: " + _text(rng, 20)}
-        if self.skewed and rng.random() < 0.5:
+        if self.hot_share is not None and rng.random() < self.hot_share:
             shared = 0
         elif rng.random() < 0.8:
             shared = rng.randrange(len(self.system))
@@ -90,7 +100,7 @@ class Workload:
         return self.oracle_hits / max(1, self.prompt_tokens)
 
 
-def forge_args(policy: str) -> dict:
+def forge_args(policy: str, replicas: int = 4, options: dict | None = None) -> dict:
     return {
         "tenants": [{"name": "bench", "key_hashes": [hashlib.sha256(KEY.encode()).hexdigest()]}],
         "pools": [
@@ -98,27 +108,34 @@ def forge_args(policy: str) -> dict:
                 "name": "primary",
                 "model": "forge-sim",
                 "engine": ENGINE,
-                "routing": {"policy": policy, "stats_period_s": 0.5},
-                "deployment": {"num_replicas": 4, "ray_actor_options": {"num_cpus": 0}},
+                "routing": {"policy": policy, "stats_period_s": 0.5, "options": options or {}},
+                "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
             }
         ],
     }
 
 
-async def run_policy(policy: str, skewed: bool, duration: float) -> dict:
+async def run_policy(
+    policy: str, workload_name: str, duration: float, options: dict | None = None
+) -> dict:
     from ray import serve
 
+    from loadtest import inprocess
     from serve_app import replica_admin
 
-    url = start_forge(forge_args(policy), reuse=True)
-    workload = Workload(skewed)
+    replicas, system_prompts, hot_share = WORKLOADS[workload_name]
+    url = start_forge(forge_args(policy, replicas, options), reuse=True)
+    workload = Workload(system_prompts, hot_share)
     before = {s["replica"]: s for s in replica_admin.all_stats("forge", "pool-primary")}
+    index_before = _index_metrics(inprocess.metrics_port)
     started = time.perf_counter()
     run = await closed_loop(
         f"{url}/v1/chat/completions", workload, concurrency=16, duration_s=duration, api_key=KEY
     )
     wall = time.perf_counter() - started
     after = replica_admin.all_stats("forge", "pool-primary")
+    await asyncio.sleep(2.5)  # Ray's metrics agent reports each second: let the last batch land
+    index = _index_delta(index_before, _index_metrics(inprocess.metrics_port))
     serve.delete("forge")
     queries = {
         s["replica"]: s["prefix_cache_queries"]
@@ -132,7 +149,8 @@ async def run_policy(policy: str, skewed: bool, duration: float) -> dict:
     summary = run.summary()
     return {
         "policy": policy,
-        "workload": "skewed" if skewed else "main",
+        "workload": workload_name,
+        "replicas": replicas,
         "requests": summary["ok"],
         "errors": summary["errors"],
         "req_per_s": summary["ok"] / wall,
@@ -143,12 +161,61 @@ async def run_policy(policy: str, skewed: bool, duration: float) -> dict:
         "hit_rate": hits / max(1, sum(load)),
         "oracle_hit_rate": workload.oracle_hit_rate,
         "max_over_mean_load": max(load) / (sum(load) / len(load)) if sum(load) else float("nan"),
+        **index,
+    }
+
+
+_LAG = "ray_forge_kv_event_lag_seconds"
+
+
+def _index_metrics(port: int | None) -> dict[str, float]:
+    """The KV index's series (lag buckets, events, resyncs) summed over every process."""
+    if port is None:
+        return {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(("ray_forge_kv_", "ray_forge_kv_event_lag")):
+            continue
+        name, _, value = line.rpartition(" ")
+        key = name.split("{", 1)[0]
+        if key == f"{_LAG}_bucket":
+            key += "|" + name.split('le="', 1)[1].split('"', 1)[0]
+        elif key == "ray_forge_kv_index_blocks":
+            key += "|" + name.split('target="', 1)[1].split('"', 1)[0]
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def _index_delta(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Lag quantiles (bucket upper bounds), events, resyncs and the largest index, this run."""
+    if not after:
+        return {}
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    buckets = sorted(
+        (float(k.split("|")[1]), v) for k, v in delta.items() if k.startswith(f"{_LAG}_bucket|")
+    )
+    count = delta.get(f"{_LAG}_count", 0.0)
+
+    def quantile(q: float) -> float | None:
+        for bound, cumulative in buckets:
+            if count and cumulative >= q * count:
+                return bound * 1000
+        return None
+
+    blocks = [v for k, v in after.items() if k.startswith("ray_forge_kv_index_blocks|")]
+    return {
+        "kv_events": int(delta.get("ray_forge_kv_events_total", 0)),
+        "kv_resyncs": int(delta.get("ray_forge_kv_resyncs_total", 0)),
+        "kv_lag_p50_ms_le": quantile(0.5),
+        "kv_lag_p99_ms_le": quantile(0.99),
+        "kv_index_max_blocks": int(max(blocks)) if blocks else None,
     }
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    fig, axes = plots.subplots(1, 2, figsize=(11, 4))
-    for ax, workload in zip(axes, ("main", "skewed"), strict=True):
+    fig, axes = plots.subplots(1, len(WORKLOADS), figsize=(16, 4))
+    for ax, workload in zip(axes, WORKLOADS, strict=True):
         sub = [r for r in rows if r["workload"] == workload]
         names = [r["policy"] for r in sub]
         ax.bar(names, [r["ttft_p50_ms"] for r in sub], color="tab:blue", label="TTFT p50 (ms)")
@@ -175,14 +242,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=20)
     parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument(
+        "--kv-options", type=json.loads, default={}, help="kv_aware's options, as JSON"
+    )
     parser.add_argument("--out", default="loadtest/results/routing.json")
     parser.add_argument("--plot", default="docs/img/routing.png")
     args = parser.parse_args()
     rows = []
     try:
-        for skewed in (False, True):
+        for workload in args.workloads:
             for policy in args.policies:
-                rows.append(asyncio.run(run_policy(policy, skewed, args.duration)))
+                options = args.kv_options if policy == "kv_aware" else None
+                rows.append(asyncio.run(run_policy(policy, workload, args.duration, options)))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         stop_forge()

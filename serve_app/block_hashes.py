@@ -23,14 +23,22 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int,
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    ids = array("q", token_ids)
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+def chain_block_hash(parent: int | None, block_token_ids: Sequence[int]) -> int:
+    """One link of the chain: the hash of a block given its parent's (None for the first).
+
+    Exposed for whoever learns blocks one at a time, as the vLLM engine does from vLLM's own
+    KV-cache events (which name blocks by vLLM's hashes and carry their token ids).
+    """
+    ids = array("q", block_token_ids)
     if sys.byteorder != "little":
         ids.byteswap()
-    raw = ids.tobytes()
-    step = block_size * ids.itemsize
-    hashes: list[int] = []
-    parent = b""
-    for start in range(0, len(raw) - step + 1, step):
-        parent = hashlib.blake2b(parent + raw[start : start + step], digest_size=8).digest()
-        hashes.append(int.from_bytes(parent, "little"))
-    return tuple(hashes)
+    prefix = b"" if parent is None else parent.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(prefix + ids.tobytes(), digest_size=8).digest(), "little")

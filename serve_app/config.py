@@ -93,6 +93,8 @@ class SimulatedEngineConfig(_Strict):
     decode_per_seq_s: Annotated[float, Field(ge=0)] = 0.0
     output_tokens_min: Annotated[int, Field(ge=1)] = 16
     output_tokens_max: Annotated[int, Field(ge=1)] = 64
+    # Chunked prefill's budget: tokens computed per step, decodes one each (vLLM's default).
+    max_num_batched_tokens: Annotated[int, Field(gt=0)] = 2048
     # Length of the vectors a ``task: embed`` pool returns (``engines/embeddings.py``).
     embedding_dim: Annotated[int, Field(gt=0)] = 384
 
@@ -100,6 +102,8 @@ class SimulatedEngineConfig(_Strict):
     def _ranges(self) -> SimulatedEngineConfig:
         if self.output_tokens_max < self.output_tokens_min:
             raise ValueError("output_tokens_max must be >= output_tokens_min")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (as in vLLM)")
         return self
 
 

@@ -45,8 +45,12 @@ def gauge(name: str, description: str, *tags: str) -> Gauge:
     return Gauge(name, description=description, tag_keys=tags)
 
 
-def histogram(name: str, description: str, *tags: str) -> Histogram:
-    return Histogram(name, description=description, boundaries=_LATENCY_BUCKETS, tag_keys=tags)
+def histogram(
+    name: str, description: str, *tags: str, boundaries: list[float] | None = None
+) -> Histogram:
+    return Histogram(
+        name, description=description, boundaries=boundaries or _LATENCY_BUCKETS, tag_keys=tags
+    )
 
 
 class ForgeMetrics:

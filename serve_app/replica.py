@@ -20,6 +20,8 @@ from serve_app import errors
 from serve_app.config import PoolConfig, TracingConfig
 from serve_app.engines.base import Engine, Kind, Usage
 from serve_app.faults import FaultInjector, FaultSpec
+from serve_app.kv_events import KvEventPublisher
+from serve_app.routing.base import KV_EVENT_POLICIES
 from serve_app.tracing import describe_usage, extract, tracer_for
 
 logger = logging.getLogger("ray.serve")
@@ -27,17 +29,29 @@ logger = logging.getLogger("ray.serve")
 _END = object()
 
 
-def build_engine(pool: PoolConfig) -> Engine:
-    """The pool's engine. Each is imported only when chosen: vLLM is an optional install."""
+def build_engine(pool: PoolConfig, kv_events: KvEventPublisher | None = None) -> Engine:
+    """The pool's engine. Each is imported only when chosen: vLLM is an optional install.
+    ``kv_events``: where the engine publishes its KV-cache events (KV-aware pools)."""
     if pool.engine.kind == "simulated":
         from serve_app.engines.simulated import SimulatedEngine
 
-        return SimulatedEngine(pool.model, pool.engine, pool.default_max_tokens)
+        return SimulatedEngine(pool.model, pool.engine, pool.default_max_tokens, kv_events)
     if pool.engine.kind == "vllm":
         from serve_app.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(pool.model, pool.engine, pool.default_max_tokens, pool.task)
+        return VLLMEngine(pool.model, pool.engine, pool.default_max_tokens, pool.task, kv_events)
     raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
+
+
+def _node_address() -> str:
+    """Where this replica's KV event sockets listen: its node's address, which the gateways on
+    other nodes can reach (127.0.0.1 on a laptop, where Ray itself stays on loopback)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit tests)
+        return "127.0.0.1"
 
 
 class Replica:
@@ -47,12 +61,18 @@ class Replica:
         self.pool = PoolConfig.model_validate(pool)
         # The generation's span, a child of the gateway's dispatch span (when tracing is on).
         self.tracer = tracer_for(TracingConfig.model_validate(tracing or {}), "forge-replica")
-        self.engine = build_engine(self.pool)
         self.faults = FaultInjector()
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = "local"
+        # KV-aware routing learns where prompts are cached from the engine's own events.
+        self.kv_events: KvEventPublisher | None = None
+        if self.pool.routing.policy in KV_EVENT_POLICIES and self.pool.task == "generate":
+            self.kv_events = KvEventPublisher(
+                self.replica_id, lambda: self.engine.cached_block_hashes(), _node_address()
+            )
+        self.engine = build_engine(self.pool, self.kv_events)
         self._started = False
         self._gauges: dict | None = None
         # Streams this replica is serving, from their first item until their generator closes:
@@ -63,6 +83,8 @@ class Replica:
     async def _ensure_started(self) -> None:
         if not self._started:
             await self.engine.start()
+            if self.kv_events is not None:
+                self.kv_events.start()
             self._started = True
 
     async def stream(
@@ -219,8 +241,8 @@ class Replica:
         numbers go to the engine gauges, so dashboards see what routers see."""
         stats = self.engine.stats().as_dict()
         self._export(stats)
-        if self.pool.routing.policy == "kv_aware":
-            stats["cached_blocks"] = self.engine.cached_block_hashes()
+        if self.kv_events is not None:
+            stats["kv_events"] = self.kv_events.describe()
         return stats
 
     def _export(self, stats: dict) -> None:
@@ -258,3 +280,5 @@ class Replica:
 
     async def __del__(self) -> None:
         await self.engine.shutdown()
+        if self.kv_events is not None:
+            await self.kv_events.close()

@@ -141,8 +141,9 @@ class Engine(ABC):
     abandoned: AbandonedUsage
 
     def cached_block_hashes(self) -> list[int]:
-        """Prefix-cache block hashes (vLLM's chain over full prompt blocks), for KV-aware
-        routing. Engines that cannot tell return nothing; routing then ignores cache state."""
+        """Prefix-cache block hashes (Forge's chain over full prompt blocks,
+        ``serve_app/block_hashes.py``): a KV event publisher's snapshot for a router that
+        resyncs. Engines that cannot tell return nothing; routing then ignores cache state."""
         return []
 
     @abstractmethod

@@ -27,11 +27,18 @@ from serve_app.engines.embeddings import (
 from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
 from serve_app.engines.tool_calls import ToolCall, plan_tool_calls
+from serve_app.kv_events import KvEventPublisher
 from serve_app.protocol import embedding_inputs, prompt_text
 
 
 class SimulatedEngine(Engine):
-    def __init__(self, model: str, config: SimulatedEngineConfig, default_max_tokens: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        config: SimulatedEngineConfig,
+        default_max_tokens: int,
+        kv_events: KvEventPublisher | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.default_max_tokens = default_max_tokens
@@ -48,8 +55,10 @@ class SimulatedEngine(Engine):
                 decode_per_seq_s=config.decode_per_seq_s,
                 output_tokens_min=config.output_tokens_min,
                 output_tokens_max=config.output_tokens_max,
+                max_num_batched_tokens=config.max_num_batched_tokens,
             )
         )
+        self.llm.events = kv_events
 
     async def start(self) -> None:
         """Nothing to load: the scheduler loop starts with the first request."""

@@ -15,6 +15,13 @@ Deliberate simplifications, each noted where it lives:
   proceeds, so ``kv_cache_usage`` rises with load as it does in vLLM.
 - Only full prompt blocks are hashed into the prefix cache; the partial last prompt block and the
   decode blocks are private to the request and freed when it ends.
+- A prompt's blocks enter the prefix cache when the request is admitted, as vLLM caches a
+  chunk's blocks when it schedules the chunk: a request admitted a step later hits them.
+
+Chunked prefill, as vLLM's scheduler does by default: each step has a budget of
+``max_num_batched_tokens``; running decodes take one token each, then prefills under way take
+chunks in admission order, then waiting requests are admitted while budget, slots and blocks
+last. A request's first token comes at the end of the step that computes its last chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Literal
 
 from serve_app.block_hashes import prefix_block_hashes
 from serve_app.engines.base import EngineError, Usage
+from serve_app.kv_events import EngineLoad, KvEventPublisher
 from serve_app.tokenizer import OUTPUT_WORDS, token_id
 
 FinishReason = Literal["stop", "length"]
@@ -52,6 +60,8 @@ class SimulatedLLMConfig:
     decode_per_seq_s: float = 0.0
     output_tokens_min: int = 16
     output_tokens_max: int = 64
+    # Tokens computed per step (decodes count one each); vLLM's default for its API server.
+    max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
         # Fail at construction, naming the field, rather than deadlock or divide by zero later.
@@ -66,6 +76,12 @@ class SimulatedLLMConfig:
             raise ValueError(
                 f"output_tokens_max ({self.output_tokens_max}) must be >= "
                 f"output_tokens_min ({self.output_tokens_min})"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # As vLLM requires: a full batch of decodes must fit one step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
             )
 
 
@@ -123,6 +139,7 @@ class _KVBlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        self.events: KvEventPublisher | None = None  # told of every block cached and evicted
         self._refs: dict[int, int] = {}  # hash -> running requests using it (0 = evictable)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._num_anonymous = 0
@@ -160,10 +177,14 @@ class _KVBlockPool:
                 if count == 0:
                     del evictable[h]
                 refs[h] = count + 1
+        stored = []
         for h in hashes:
             if h not in refs:
                 self._make_room()
                 refs[h] = 1
+                stored.append(h)
+        if stored and self.events is not None:
+            self.events.stored(stored)
         self.take_anonymous(num_anonymous_now)
         self._num_reserved += num_final_blocks - len(hashes) - num_anonymous_now
         return True
@@ -196,6 +217,17 @@ class _KVBlockPool:
             return
         block_hash, _ = self._evictable.popitem(last=False)
         del self._refs[block_hash]
+        if self.events is not None:
+            self.events.removed((block_hash,))
+
+    def matched_blocks(self, hashes: tuple[int, ...], limit: int) -> int:
+        """How many of the first ``limit`` hashes are cached, as a leading run."""
+        matched = 0
+        for h in hashes[:limit]:
+            if h not in self._refs:
+                break
+            matched += 1
+        return matched
 
 
 _WAITING, _RUNNING, _DONE = 0, 1, 2
@@ -216,6 +248,7 @@ class _Request:
         "on_abort",
         "pending",
         "pooling",
+        "prefill_left",
         "request_id",
         "seed",
         "state",
@@ -246,6 +279,7 @@ class _Request:
         self.num_anonymous_blocks = 0
         self.num_cached_tokens = 0
         self.num_generated = 0
+        self.prefill_left = 0  # uncached prompt tokens not yet computed (while running)
         self.state = _WAITING
         self.pending: deque[TokenOutput] = deque()
         self.waiter: asyncio.Future[None] | None = None
@@ -256,13 +290,28 @@ class _Request:
             waiter.set_result(None)
 
 
+def _prefill_chunk(request: _Request, budget: int, emitting: list[_Request]) -> int:
+    """Give the request a chunk of the step's budget; returns what is left of the budget.
+    A request whose prefill this chunk finishes gets its first token at the end of the step."""
+    chunk = min(request.prefill_left, budget)
+    request.prefill_left -= chunk
+    if request.prefill_left == 0:
+        emitting.append(request)
+    return budget - chunk
+
+
 class SimulatedLLM:
     """Continuous batching over a paged, prefix-cached KV store, stepping like vLLM's core.
 
-    One background loop runs steps. A step admits waiting requests FIFO while a running slot and
-    enough KV blocks exist (prefilling them), sleeps for the step's simulated cost, then gives
-    every running request one token. A newly admitted request's first token therefore lands at
-    the end of its prefill step: TTFT = queueing + prefill cost of its uncached tokens.
+    One background loop runs steps. A step schedules work within its token budget (decodes,
+    then chunks of prefills under way, then waiting requests admitted FIFO while a slot, blocks
+    and budget remain), sleeps for the step's simulated cost, then gives a token to every
+    request that was decoding and to every request whose prefill this step finished. TTFT is
+    therefore queueing plus the steps its uncached tokens take, each step as long as the work
+    it batches.
+
+    ``events``: when set (the replica's KV event publisher), every block cached or evicted,
+    every request taken in, and the queued prefill work are published as they change.
     """
 
     def __init__(self, config: SimulatedLLMConfig, *, slow_factor: float = 1.0) -> None:
@@ -280,6 +329,16 @@ class SimulatedLLM:
         self._prefix_cache_hits = 0
         self._generation_tokens = 0
         self._steps = 0  # for tests: proves the loop idles instead of spinning
+        self._events: KvEventPublisher | None = None
+        self._emitting: list[_Request] = []  # this step's token receivers (``_schedule``)
+
+    @property
+    def events(self) -> KvEventPublisher | None:
+        return self._events
+
+    @events.setter
+    def events(self, publisher: KvEventPublisher | None) -> None:
+        self._events = self._pool.events = publisher
 
     @property
     def config(self) -> SimulatedLLMConfig:
@@ -441,6 +500,8 @@ class SimulatedLLM:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         self._requests[request.request_id] = request
         self._waiting[request.request_id] = request
+        if self._events is not None:
+            self._events.accepted(request.request_id)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         self._wakeup.set()
@@ -478,10 +539,12 @@ class SimulatedLLM:
         try:
             while True:
                 if not self._running and not self._waiting:
+                    self._publish()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                prefill_tokens = self._admit()
+                prefill_tokens = self._schedule()
+                self._publish(prefill_tokens)
                 if not self._running:
                     # Unreachable while generate() rejects requests larger than the cache (an
                     # empty engine fits any of those); wait rather than spin if it ever is.
@@ -489,7 +552,7 @@ class SimulatedLLM:
                     await self._wakeup.wait()
                     continue
                 delay = cfg.decode_base_s + cfg.decode_per_seq_s * len(self._running)
-                if prefill_tokens is not None:
+                if prefill_tokens:
                     delay += cfg.prefill_base_s + cfg.prefill_per_token_s * prefill_tokens
                 self._steps += 1
                 await asyncio.sleep(delay * self._slow_factor)
@@ -501,42 +564,92 @@ class SimulatedLLM:
                 request.wake()
             raise
 
-    def _admit(self) -> int | None:
-        """Admit waiting requests FIFO; return their uncached prompt tokens, None if none."""
+    def _schedule(self) -> int:
+        """One step's work within the token budget; returns the prefill tokens it computes.
+
+        Marks the requests that get a token at the end of the step: those decoding now and
+        those whose last prefill chunk is in this step (``_emitting``).
+        """
+        budget = self._config.max_num_batched_tokens
+        emitting: list[_Request] = []
+        prefilling: list[_Request] = []
+        for request in self._running.values():
+            if request.prefill_left == 0:
+                emitting.append(request)
+                budget -= 1
+            else:
+                prefilling.append(request)
+        start = budget
+        for request in prefilling:
+            if budget <= 0:
+                break
+            budget = _prefill_chunk(request, budget, emitting)
+        while budget > 0:
+            request = self._admit_one()
+            if request is None:
+                break
+            budget = _prefill_chunk(request, budget, emitting)
+        self._emitting = emitting
+        return start - budget
+
+    def _admit_one(self) -> _Request | None:
+        """Admit the head of the waiting queue if a slot and its blocks are free."""
         cfg = self._config
-        pool = self._pool
-        prefill_tokens: int | None = None
-        while self._waiting and len(self._running) < cfg.max_num_seqs:
-            request = next(iter(self._waiting.values()))
-            hashes = request.block_hashes
-            num_prompt = request.num_prompt_tokens
-            # Like vLLM, at least the last prompt token is recomputed to get logits, so a fully
-            # cached block-aligned prompt hits one block less.
-            hit_blocks = 0
-            for h in hashes[: (num_prompt - 1) // cfg.block_size]:
-                if h not in pool:
-                    break
-                hit_blocks += 1
-            # Hold blocks for the prompt plus the first output token's slot.
-            num_anonymous = _ceil_div(num_prompt + 1, cfg.block_size) - len(hashes)
-            if not pool.try_admit(hashes, num_anonymous, request.num_final_blocks):
-                break  # head-of-line waits for blocks, as in vLLM's FCFS policy
-            del self._waiting[request.request_id]
-            self._running[request.request_id] = request
-            request.state = _RUNNING
-            request.num_anonymous_blocks = num_anonymous
-            request.num_cached_tokens = hit_blocks * cfg.block_size
-            self._prefix_cache_queries += num_prompt
-            self._prefix_cache_hits += request.num_cached_tokens
-            prefill_tokens = (prefill_tokens or 0) + num_prompt - request.num_cached_tokens
-        return prefill_tokens
+        if not self._waiting or len(self._running) >= cfg.max_num_seqs:
+            return None
+        request = next(iter(self._waiting.values()))
+        hashes = request.block_hashes
+        num_prompt = request.num_prompt_tokens
+        # Like vLLM, at least the last prompt token is recomputed to get logits, so a fully
+        # cached block-aligned prompt hits one block less.
+        hit_blocks = self._pool.matched_blocks(hashes, (num_prompt - 1) // cfg.block_size)
+        # Hold blocks for the prompt plus the first output token's slot.
+        num_anonymous = _ceil_div(num_prompt + 1, cfg.block_size) - len(hashes)
+        if not self._pool.try_admit(hashes, num_anonymous, request.num_final_blocks):
+            return None  # head-of-line waits for blocks, as in vLLM's FCFS policy
+        del self._waiting[request.request_id]
+        self._running[request.request_id] = request
+        request.state = _RUNNING
+        request.num_anonymous_blocks = num_anonymous
+        request.num_cached_tokens = hit_blocks * cfg.block_size
+        request.prefill_left = num_prompt - request.num_cached_tokens
+        self._prefix_cache_queries += num_prompt
+        self._prefix_cache_hits += request.num_cached_tokens
+        return request
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to prefill: what is left of the prefills under way, plus the
+        uncached part of every waiting prompt as the cache stands now."""
+        block_size = self._config.block_size
+        backlog = sum(r.prefill_left for r in self._running.values())
+        for request in self._waiting.values():
+            limit = (request.num_prompt_tokens - 1) // block_size
+            hit = self._pool.matched_blocks(request.block_hashes, limit)
+            backlog += request.num_prompt_tokens - hit * block_size
+        return backlog
+
+    def _publish(self, step_prefill_tokens: int = 0) -> None:
+        """Flush this step's events with the load: the step's own prefill counts as queued,
+        since a request arriving now waits for the step to end."""
+        if self._events is None:
+            return
+        self._events.flush(
+            EngineLoad(
+                backlog=self.prefill_backlog() + step_prefill_tokens,
+                running=len(self._running),
+                waiting=len(self._waiting),
+                slots=self._config.max_num_seqs,
+            )
+        )
 
     def _emit(self) -> None:
-        """End of step: one token for every running request."""
+        """End of step: one token for every request decoding or done with its prefill."""
         block_size = self._config.block_size
         num_words = len(OUTPUT_WORDS)
-        self._generation_tokens += sum(not r.pooling for r in self._running.values())
-        for request in list(self._running.values()):
+        emitting = [r for r in self._emitting if r.state == _RUNNING]  # not aborted meanwhile
+        self._emitting = []
+        self._generation_tokens += sum(not r.pooling for r in emitting)
+        for request in emitting:
             index = request.num_generated
             word = _mix64(request.seed + index + 1) % num_words
             last = index + 1 == request.num_output_tokens

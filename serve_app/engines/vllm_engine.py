@@ -6,6 +6,8 @@ the evaluation): requests go through vLLM's ``OpenAIServingChat`` / ``OpenAIServ
 format are vLLM's own, byte for byte. Forge adds only what its replica contract needs: usage for
 metering on every stream, an abort the moment the caller goes away, and the scheduler's numbers
 (running, waiting, KV-cache use, prefix-cache queries and hits) for routing and dashboards.
+On a KV-aware pool it also relays vLLM's own KV-cache events to the replica's publisher, with
+the blocks renamed into Forge's block-hash chain (``_KvEventRelay``).
 
 vLLM is imported lazily: this module imports (and its config validates) without vLLM installed.
 """
@@ -18,12 +20,17 @@ import contextlib
 import importlib
 import inspect
 import logging
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import orjson
+import zmq
+import zmq.asyncio
 
 from serve_app import errors
+from serve_app.block_hashes import chain_block_hash
 from serve_app.config import VLLMEngineConfig
 from serve_app.engines.base import (
     AbandonedUsage,
@@ -33,6 +40,7 @@ from serve_app.engines.base import (
     Kind,
     Usage,
 )
+from serve_app.kv_events import EngineLoad, KvEventPublisher
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,6 +58,7 @@ class VLLMEngine(Engine):
         config: VLLMEngineConfig,
         default_max_tokens: int,
         task: Literal["generate", "embed"] = "generate",
+        kv_events: KvEventPublisher | None = None,
     ) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -64,17 +73,31 @@ class VLLMEngine(Engine):
         self.abandoned = AbandonedUsage()
         self._load = SchedulerLoad()
         self._args = vllm_server_args(model, config, task)
+        # Only a generation pool routes on its cache.
+        self._kv = (
+            _KvEventRelay(kv_events, self._engine_load)
+            if kv_events is not None and task == "generate"
+            else None
+        )
+        if self._kv is not None:
+            self._args.kv_events_config = self._kv.vllm_config()
+            self._load.on_update = self._kv.flush
         engine_args = AsyncEngineArgs.from_cli_args(self._args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.block_size = vllm_config.cache_config.block_size
-        self.llm = AsyncLLM.from_vllm_config(
-            vllm_config,
-            usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=self._stat_loggers(),
-            enable_log_requests=False,
-            disable_log_stats=False,
-        )
+        try:
+            self.llm = AsyncLLM.from_vllm_config(
+                vllm_config,
+                usage_context=UsageContext.OPENAI_API_SERVER,
+                stat_loggers=self._stat_loggers(),
+                enable_log_requests=False,
+                disable_log_stats=False,
+            )
+        except BaseException:
+            if self._kv is not None:  # no shutdown will come: remove its socket's directory
+                self._kv.remove_dir()
+            raise
         self._chat = None
         self._completion = None
         self._embedding = None
@@ -101,6 +124,9 @@ class VLLMEngine(Engine):
         """vLLM's serving layer, built exactly as ``vllm serve`` builds it (``init_app_state``)."""
         if self._started:
             return
+        if self._kv is not None:
+            # Subscribed before any request: PUB/SUB drops what is sent before it joins.
+            self._kv.start()
         from starlette.datastructures import State
 
         init_app_state = _import_first(
@@ -160,6 +186,9 @@ class VLLMEngine(Engine):
         serving = self._chat if kind == "chat" else self._completion
         if serving is None:  # the gateway sends no such request (its parse stage refuses it)
             raise errors.wrong_route(self.model, embeddings=False)
+        if self._kv is not None:
+            # "<forge id>-<n>", as the simulated engine says it; vLLM's own ids add a prefix.
+            self._kv.accepted(request.request_id)
         try:
             if kind == "chat":
                 result = await serving.create_chat_completion(request, raw_request=None)
@@ -258,6 +287,19 @@ class VLLMEngine(Engine):
 
     # -- state -----------------------------------------------------------------------------------
 
+    def _engine_load(self) -> EngineLoad:
+        # backlog 0: vLLM reports no per-request prefill progress, so the prefill work queued
+        # here is unknown; routers fall back on running and waiting.
+        return EngineLoad(
+            backlog=0,
+            running=self._load.running,
+            waiting=self._load.waiting,
+            slots=self.max_num_seqs,
+        )
+
+    def cached_block_hashes(self) -> list[int]:
+        return [] if self._kv is None else list(self._kv.forge_hashes.values())
+
     def stats(self) -> EngineStats:
         load = self._load
         return EngineStats(
@@ -279,7 +321,143 @@ class VLLMEngine(Engine):
 
     async def shutdown(self) -> None:
         """Stop vLLM's engine-core process. Serve has drained the replica's requests by now."""
+        if self._kv is not None:
+            await self._kv.close()
         self.llm.shutdown()
+
+
+class _KvEventRelay:
+    """vLLM's KV-cache events, renamed into Forge's block-hash chain, to the replica's publisher.
+
+    vLLM publishes from its engine-core process and names blocks by its own hashes, which the
+    routers cannot compute (seeded, and folding in LoRA, multimodal inputs and cache salts).
+    Its ``BlockStored`` events carry each block's token ids and its parent's vLLM hash, so a
+    map from vLLM's hashes to Forge's is enough to extend the chain one block at a time. The
+    map is also the engine's snapshot: every block vLLM caches and Forge can name.
+
+    The hop is one ZeroMQ PUB/SUB over an ``ipc://`` socket in a directory private to this
+    replica: no port to allocate, nothing reachable from outside the node.
+    """
+
+    def __init__(self, events: KvEventPublisher, load: Callable[[], EngineLoad]) -> None:
+        self._events = events
+        self._load = load
+        self._dir = tempfile.mkdtemp(prefix="forge-kv-")
+        self.endpoint = f"ipc://{self._dir}/events"
+        self.forge_hashes: dict[int | bytes, int] = {}  # vLLM's block hash → Forge's
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._next_seq = 0
+        self.skipped = 0  # vLLM blocks stored that Forge cannot name
+
+    def vllm_config(self):
+        from vllm.config import KVEventsConfig
+
+        return KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=self.endpoint,  # vLLM binds ipc endpoints, and this side connects
+            replay_endpoint=None,
+            topic="",
+        )
+
+    def start(self) -> None:
+        if self._task is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(self.endpoint)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def accepted(self, request_id: str) -> None:
+        self._events.accepted(request_id)
+        self.flush()
+
+    def flush(self) -> None:
+        self._events.flush(self._load())
+
+    async def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                _topic, seq, payload = frames
+                seq = int.from_bytes(seq, "big")
+                if seq != self._next_seq:  # dropped (HWM) or sent before this side subscribed
+                    logger.warning("missed vLLM KV event batches %d to %d", self._next_seq, seq - 1)
+                self._next_seq = seq + 1
+                self.apply(decoder.decode(payload).events)
+                self.flush()
+            except Exception:  # one bad batch must not end the relay
+                logger.exception("could not relay a vLLM KV event batch")
+
+    def apply(self, events: list) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self.forge_hashes.clear()
+                self._events.cleared()
+            elif getattr(event, "medium", None) not in (None, "GPU"):
+                continue  # an offload tier (CPU, storage): routers route on what the GPU holds
+            elif isinstance(event, BlockStored):
+                self._events.stored(self._stored(event))
+            elif isinstance(event, BlockRemoved):
+                removed = (self.forge_hashes.pop(h, None) for h in event.block_hashes)
+                self._events.removed(h for h in removed if h is not None)
+
+    def _stored(self, event) -> list[int]:
+        """Forge's names for the blocks, each chained from its parent's; none for those whose
+        parent it cannot name (stored before this relay listened, or skipped below)."""
+        size, vllm_hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+        parent = None
+        if event.parent_block_hash is not None:
+            parent = self.forge_hashes.get(event.parent_block_hash)
+            if parent is None:
+                return self._skip(vllm_hashes, "their parent is unknown")
+        if len(tokens) != size * len(vllm_hashes):  # a run with null (sliding-window) blocks
+            return self._skip(vllm_hashes, "their tokens do not split into them")
+        extra_keys = event.extra_keys or [None] * len(vllm_hashes)
+        forge: list[int] = []
+        for i, (vllm_hash, keys) in enumerate(zip(vllm_hashes, extra_keys, strict=True)):
+            if keys:
+                # Its vLLM hash folds in more than tokens (LoRA, images, cache salt): Forge's
+                # chain would confuse it with the plain block, and cannot name its children.
+                return forge + self._skip(vllm_hashes[i:], "they are keyed by more than tokens")
+            parent = chain_block_hash(parent, tokens[i * size : (i + 1) * size])
+            self.forge_hashes[vllm_hash] = parent
+            forge.append(parent)
+        return forge
+
+    def _skip(self, vllm_hashes: list, why: str) -> list[int]:
+        self.skipped += len(vllm_hashes)
+        logger.debug(
+            "KV events: %d vLLM blocks not routable (%d so far): %s",
+            len(vllm_hashes),
+            self.skipped,
+            why,
+        )
+        return []
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._socket is not None:
+            self._socket.close()
+            self._ctx.term()
+            self._socket = self._ctx = None
+        self.remove_dir()
+
+    def remove_dir(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class SchedulerLoad:
@@ -301,6 +479,8 @@ class SchedulerLoad:
         self.prefix_cache_hits = 0
         self.generation_tokens = 0
         self.prompt_tokens = 0
+        # Called after each scheduler update: the KV event relay republishes the load with it.
+        self.on_update: Callable[[], None] | None = None
 
     def per_engine_logger(self, vllm_config: Any, engine_index: int = 0) -> SchedulerLoad:
         """vLLM's per-engine stat logger factory. One engine core per replica: one tap."""
@@ -320,6 +500,8 @@ class SchedulerLoad:
         self.kv_cache_usage = scheduler_stats.kv_cache_usage
         self.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
         self.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
+        if self.on_update is not None:
+            self.on_update()
 
     def log(self) -> None:
         """Nothing to print: vLLM's own logging logger does that."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +33,8 @@ POLICY_NAMES: tuple[str, ...] = (
     "prefix_affinity",
     "kv_aware",
 )
+# Policies fed by the replicas' KV-cache events (``serve_app/kv_events.py``).
+KV_EVENT_POLICIES = frozenset({"kv_aware"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,11 @@ class ReplicaView:
     running: int = 0  # the replica's routing stats: num_requests_running
     waiting: int = 0  # num_requests_waiting
     kv_cache_usage: float = 0.0  # 0..1, kv_cache_usage_perc
-    cached_blocks: frozenset[int] = frozenset()  # prefix-cache block hashes it reported
+    # Prefix-cache block hashes it holds (its KV events, plus what this router just sent it).
+    cached_blocks: Collection[int] = frozenset()
+    # Prompt tokens still to prefill on it: what it reported queued plus what this router sent
+    # since (``routing/kv_index.py``).
+    backlog_tokens: int = 0
     excluded: bool = False  # e.g. its circuit breaker is open: never chosen
 
 
@@ -53,9 +59,12 @@ class RouteRequest:
     """What a policy may know about a request: its prompt's block hash chain, system prompt first.
 
     Empty when the prompt is shorter than one block (or the adapter has no token ids).
+    ``prompt_tokens`` counts the prompt's tokens as far as the router read it.
     """
 
     block_hashes: tuple[int, ...] = ()
+    prompt_tokens: int = 0
+    block_size: int = 16
 
 
 class RoutingPolicy(ABC):
@@ -98,20 +107,23 @@ def least_loaded(replicas: Sequence[ReplicaView]) -> list[str]:
 
 
 def bounded_load_order(
-    preference: Sequence[ReplicaView], load_factor: float
+    preference: Sequence[ReplicaView],
+    load_factor: float,
+    load: Callable[[ReplicaView], float] = replica_load,
+    slack: float = 1,
 ) -> tuple[list[str], bool]:
     """Keep ``preference`` order but move replicas over the load bound to the back.
 
-    Bound: a replica is over it when ``load > load_factor × mean load + 1``, the mean taken over
-    ``preference`` (the eligible replicas). The ``+ 1`` keeps a nearly idle fleet from spilling on
-    every request. Some replica is always at or under the mean, so with ``load_factor >= 1`` the
-    head of the result is never over the bound. Returns the ranking and whether the preferred
-    replica spilled over.
+    Bound: a replica is over it when ``load > load_factor × mean load + slack``, the mean taken
+    over ``preference`` (the eligible replicas). The slack (one request, in ``load``'s unit)
+    keeps a nearly idle fleet from spilling on every request. Some replica is always at or
+    under the mean, so with ``load_factor >= 1`` the head of the result is never over the bound.
+    Returns the ranking and whether the preferred replica spilled over.
     """
     if not preference:
         return [], False
-    loads = [replica_load(r) for r in preference]
-    bound = load_factor * (sum(loads) / len(loads)) + 1
+    loads = [load(r) for r in preference]
+    bound = load_factor * (sum(loads) / len(loads)) + slack
     under = [r.replica_id for r, load in zip(preference, loads, strict=True) if load <= bound]
     over = [r.replica_id for r, load in zip(preference, loads, strict=True) if load > bound]
     return under + over, loads[0] > bound

@@ -1,10 +1,10 @@
-"""KV-aware: send a request where the longest prefix of its prompt is already cached.
+"""KV-aware: send a request where it waits for the least prefill, its own and what is queued.
 
-The index of which replica holds which blocks is not kept by the gateway: it is the replicas' own
-reports (``ReplicaView.cached_blocks``, from each replica's routing stats), read afresh on every
-request. Every gateway replica therefore sees the same index and makes the same choice, and there
-is no per-gateway copy to diverge or to rebuild after a restart. The price is staleness: a prefix
-cached since a replica's last report is invisible until the next one.
+Where each replica's blocks live comes from the replicas' KV events (``ReplicaView.
+cached_blocks``, the router's ``KvIndex``: milliseconds behind the engines), plus the blocks
+this router itself just sent there, so a prompt no replica holds yet is assigned once and then
+followed. Every gateway replica applies the same events, so they agree on where a prompt lives
+up to the few requests each is sending at that moment.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from serve_app.routing.base import (
     RoutingPolicy,
     bounded_load_order,
     eligible,
-    least_loaded,
-    replica_load,
 )
 
 
@@ -36,50 +34,80 @@ def matched_prefix_blocks(block_hashes: Sequence[int], cached: Collection[int]) 
     return matched
 
 
+def uncached_tokens(request: RouteRequest, cached: Collection[int]) -> int:
+    """The prompt tokens a replica holding ``cached`` would still have to prefill."""
+    prompt = max(request.prompt_tokens, len(request.block_hashes) * request.block_size)
+    matched = matched_prefix_blocks(request.block_hashes, cached)
+    return max(0, prompt - matched * request.block_size)
+
+
 class KvAwarePolicy(RoutingPolicy):
-    """Best first by ``score = matched_blocks - load_weight × load``, under a load bound.
+    """Best first by the prefill work the request would wait for, under a load bound.
 
-    Why this formula: sending the request to replica ``r`` costs roughly the prefill of the
-    blocks it does not hold, ``(n - matched_r) × t_block``, plus the delay its load adds,
-    ``load_r × t_load``. Minimising that is maximising ``matched_r - (t_load / t_block) × load_r``,
-    so ``load_weight`` is the cost of one unit of load expressed in prefilled blocks. The default
-    16 (one request ≈ prefilling 256 tokens at block size 16) sits between what one more running
-    sequence (~12 blocks) and one more waiting request (~45 blocks) cost under the simulated
-    engine's costs in ``configs/local.yaml``; tune it per engine.
+    All in prompt tokens, the unit of prefill work (its cost per token is the same everywhere,
+    so it cancels out):
 
-    - ``matched_blocks``: ``matched_prefix_blocks`` against the replica's ``cached_blocks``.
-    - ``load``: ``replica_load`` (``in_flight + running + waiting``).
-    - Ties: lower load, then id.
-    - **Load guard**: as in prefix affinity, replicas whose load > ``load_factor`` × mean + 1 go
-      to the back of the ranking, so a hot prefix cannot melt the replica that holds it however
-      large its match; ``spillovers`` counts requests whose best-scoring replica was over it.
-    - **No match anywhere** (or no full block): least-loaded, ties by id.
+    - ``load`` of a replica = ``backlog_tokens`` (uncached prompt tokens queued or mid-prefill
+      on it, as its events last said, plus what this router sent since) +
+      ``request_cost_tokens`` × its requests (in flight or in its engine). The second term is
+      the slot a request holds for its whole decode, which a prefill-only count would miss: a
+      replica full of cached requests is still full.
+    - ``score`` = ``load`` + the request's own uncached tokens there (``prompt_tokens`` −
+      matched blocks × block size). Lowest first: a request leaves the replica holding its
+      prefix only when the queue there costs more than prefilling the prefix elsewhere.
+    - Ties: fewer uncached tokens (the holder), then id (every gateway replica agrees).
+    - **Load bound** (``bound``), by default on requests: a replica with more than
+      ``load_factor`` × the mean + 1 requests goes to the back, so one hot prompt cannot take
+      every slot of the replica that holds it; ``spillovers`` counts requests whose best replica
+      was over it. ``bound="tokens"`` bounds ``load`` instead (slack: one request's cost). Not
+      the default: a backlog is transient and the score already prices it, and a bound on it
+      moved cached requests off a replica busy with one cold prefill onto replicas that then
+      prefilled the whole prompt (measured in ``docs/routing.md``).
+
+    ``request_cost_tokens`` default 64: a waiting request waits for the next slot to free, about
+    a decode's length over ``max_num_seqs`` (16 tokens × ~14 ms / 8 ≈ 28 ms here), which is what
+    ~100 prompt tokens cost to prefill at 0.2 ms each; 64 leans towards keeping affinity.
+    ``load_factor`` default 1.5: the experiment's knee between hit rate and balance.
     """
 
     name = "kv_aware"
 
-    def __init__(self, load_weight: float = 16.0, load_factor: float = 1.25) -> None:
-        if load_weight < 0:
-            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+    def __init__(
+        self, request_cost_tokens: float = 64.0, load_factor: float = 1.5, bound: str = "requests"
+    ) -> None:
+        if request_cost_tokens < 0:
+            raise ValueError(f"request_cost_tokens must be >= 0, got {request_cost_tokens}")
         if load_factor < 1:
             raise ValueError(f"load_factor must be >= 1, got {load_factor}")
-        self.load_weight = load_weight
+        if bound not in ("requests", "tokens"):
+            raise ValueError(f"bound must be 'requests' or 'tokens', got {bound!r}")
+        self.request_cost_tokens = request_cost_tokens
         self.load_factor = load_factor
+        self.bound = bound
         self.spillovers = 0
+
+    @staticmethod
+    def requests(replica: ReplicaView) -> int:
+        """Requests on the replica: in flight to it (Serve's count) or in its engine."""
+        return max(replica.in_flight, replica.running + replica.waiting)
+
+    def load(self, replica: ReplicaView) -> float:
+        return replica.backlog_tokens + self.request_cost_tokens * self.requests(replica)
 
     def rank(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> list[str]:
         candidates = eligible(replicas)
-        matched = {
-            r.replica_id: matched_prefix_blocks(request.block_hashes, r.cached_blocks)
-            for r in candidates
-        }
-        if not any(matched.values()):
-            return least_loaded(candidates)
+        uncached = {r.replica_id: uncached_tokens(request, r.cached_blocks) for r in candidates}
 
         def order(r: ReplicaView) -> tuple[float, int, str]:
-            load = replica_load(r)
-            return (-(matched[r.replica_id] - self.load_weight * load), load, r.replica_id)
+            # Fewer uncached tokens is more matched blocks: the tie-break prefers the holder.
+            return (self.load(r) + uncached[r.replica_id], uncached[r.replica_id], r.replica_id)
 
-        ranking, spilled = bounded_load_order(sorted(candidates, key=order), self.load_factor)
+        if self.bound == "tokens":
+            bounded, slack = self.load, max(1.0, self.request_cost_tokens)
+        else:
+            bounded, slack = self.requests, 1.0
+        ranking, spilled = bounded_load_order(
+            sorted(candidates, key=order), self.load_factor, load=bounded, slack=slack
+        )
         self.spillovers += spilled
         return ranking

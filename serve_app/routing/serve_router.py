@@ -9,6 +9,9 @@ one replica per rank, so Serve's own retry walks the policy's order.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Collection
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -20,11 +23,14 @@ from serve_app.metrics import counter
 from serve_app.protocol import prompt_text
 from serve_app.resilience.breaker import Admit, State
 from serve_app.routing.base import (
+    KV_EVENT_POLICIES,
     ReplicaView,
     RouteRequest,
     RoutingPolicy,
     build_policy,
 )
+from serve_app.routing.kv_aware import uncached_tokens
+from serve_app.routing.kv_index import KvIndex
 
 # Enough text for the first blocks a policy looks at; tokenizing a 100 kB prompt per request
 # to hash 4 blocks of it would cost more than the routing decision.
@@ -33,6 +39,11 @@ _PREFIX_CHARS = 16_384
 
 # Policies that look at the prompt; the others never pay for tokenizing it.
 _PREFIX_POLICIES = frozenset({"prefix_affinity", "kv_aware"})
+
+# The longest a request waits for the index's first snapshot of a replica it has not synced
+# yet (once per replica): without it, a gateway replica's first requests to a pool would route
+# blind to every block the pool already holds. A snapshot takes about a millisecond here.
+_FIRST_SYNC_WAIT_S = 0.25
 
 
 class ForgeRequestRouter(RequestRouter):
@@ -43,7 +54,7 @@ class ForgeRequestRouter(RequestRouter):
         self,
         policy: str = "round_robin",
         block_size: int = 16,
-        route_blocks: int = 64,
+        route_blocks: int = 128,
         **options: Any,
     ) -> None:
         self.policy: RoutingPolicy = build_policy(policy, **options)
@@ -52,13 +63,11 @@ class ForgeRequestRouter(RequestRouter):
         self.block_size = block_size
         # Serve calls choose_replicas again on every backoff: compute a request's route once.
         self._routes: dict[str, RouteRequest] = {}
-        # Per replica: its last reported block list and that list as a set (one conversion per
-        # stats report, not per request). The list is kept, not its id(): a freed list's
-        # address is reused by the next one, which would get the old set.
-        self._blocks: dict[str, tuple[list, frozenset[int]]] = {}
         pool = self._deployment_id.name
         # The pool as the gateway names it (deployment "pool-primary" → "primary").
         self.pool = pool.removeprefix("pool-")
+        # Where each replica's blocks are, from its KV events (KV-aware policies only).
+        self.index = KvIndex(self.pool) if policy in KV_EVENT_POLICIES else None
         self.bridge = pool_bridge(self._deployment_id.app_name, self.pool)
         self._probes: dict[str, str] = {}  # request id → the open replica it is the probe of
         self._routed = counter(
@@ -74,11 +83,17 @@ class ForgeRequestRouter(RequestRouter):
         for series in (self._routed, self._spillovers):
             series.set_default_tags({"pool": pool, "policy": policy})
         self.route_blocks = route_blocks
+        self._sync_waited: set[str] = set()  # replicas whose first snapshot a request awaited
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.bridge.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
-        self._blocks = {rid: v for rid, v in self._blocks.items() if rid in self.bridge.replica_ids}
+        if self.index is not None:
+            self.index.keep_only(self.bridge.replica_ids)
+            # Subscribe as soon as a replica says where it publishes, not at the first request.
+            for replica in replicas:
+                self._watch(replica)
+            self._sync_waited &= self.bridge.replica_ids
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
@@ -101,6 +116,8 @@ class ForgeRequestRouter(RequestRouter):
         probe = await self._probe_for(request_id, excluded)
         if probe is not None:
             return [[by_id[probe]]] if probe in by_id else []
+        if self.index is not None:
+            await self._first_sync(candidate_replicas)
         views = [self._view(r, r.replica_id.unique_id in excluded) for r in candidate_replicas]
         spilled_before = getattr(self.policy, "spillovers", 0)
         ranked = self.policy.rank(views, self._route_for(pending_request))
@@ -149,8 +166,13 @@ class ForgeRequestRouter(RequestRouter):
         self._routed.inc(tags={"target": rid})
         if pending_request is None:
             return
-        self._routes.pop(pending_request.metadata.internal_request_id, None)
+        route = self._routes.pop(pending_request.metadata.internal_request_id, None)
         request_id = _request_id(pending_request)
+        if self.index is not None and route is not None and request_id is not None:
+            # Count it on the replica until its engine says it took it in, and remember its
+            # blocks there: the next request with this prompt follows it.
+            uncached = uncached_tokens(route, self.index.holds(rid))
+            self.index.assign(request_id, rid, uncached, route.block_hashes)
         if request_id is not None and request_id not in self.bridge.pinned:
             breakers = self.bridge.breakers
             probe = self._probes.pop(request_id, None) == rid or (
@@ -158,6 +180,29 @@ class ForgeRequestRouter(RequestRouter):
                 and breakers.state(replica_backend(self.pool, rid)) is not State.CLOSED
             )
             self.bridge.note_routed(request_id, rid, probe)
+
+    def _watch(self, replica: RunningReplica) -> bool:
+        """Subscribe the index to the replica's KV events; False if it publishes none (yet)."""
+        where = (replica.routing_stats or {}).get("kv_events")
+        if not where:
+            return False
+        self.index.watch(replica.replica_id.unique_id, where["endpoint"], where["snapshot"])
+        return True
+
+    async def _first_sync(self, candidates: list[RunningReplica]) -> None:
+        """Wait (briefly, once per replica) for the index to hold each candidate's blocks."""
+        new = [
+            r.replica_id.unique_id
+            for r in candidates
+            if r.replica_id.unique_id not in self._sync_waited and self._watch(r)
+        ]
+        if not new:
+            return
+        self._sync_waited.update(new)
+        deadline = time.monotonic() + _FIRST_SYNC_WAIT_S
+        # Polled: the index syncs on its own thread, and this runs once per new replica.
+        while not all(self.index.watching(rid) for rid in new) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.002)
 
     def _route_for(self, pending: PendingRequest | None) -> RouteRequest:
         if not self.needs_prefix or pending is None:
@@ -172,30 +217,31 @@ class ForgeRequestRouter(RequestRouter):
 
     def _view(self, replica: RunningReplica, excluded: bool = False) -> ReplicaView:
         stats = replica.routing_stats or {}
+        replica_id = replica.replica_id.unique_id
         # Serve's cached count of the replica's ongoing requests (its last report, bumped on
         # every request this router sends): fresh enough to balance on, cheap to read.
         in_flight = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        running = int(stats.get("num_requests_running", 0))
+        waiting = int(stats.get("num_requests_waiting", 0))
+        cached_blocks: Collection[int] = frozenset()
+        backlog = 0
+        if self.index is not None:
+            self._watch(replica)
+            load = self.index.load(replica_id)
+            if load is not None:  # milliseconds old, where the stats are up to a period old
+                running, waiting, backlog = load.running, load.waiting, load.backlog
+            backlog += self.index.assigned_tokens(replica_id)
+            cached_blocks = self.index.holds(replica_id)
         return ReplicaView(
-            replica_id=replica.replica_id.unique_id,
+            replica_id=replica_id,
             in_flight=in_flight,
-            running=int(stats.get("num_requests_running", 0)),
-            waiting=int(stats.get("num_requests_waiting", 0)),
+            running=running,
+            waiting=waiting,
             kv_cache_usage=float(stats.get("kv_cache_usage_perc", 0.0)),
-            cached_blocks=self._cached_blocks(replica.replica_id.unique_id, stats),
+            cached_blocks=cached_blocks,
+            backlog_tokens=backlog,
             excluded=excluded,
         )
-
-    def _cached_blocks(self, replica_id: str, stats: dict) -> frozenset[int]:
-        blocks = stats.get("cached_blocks")
-        if not blocks:
-            self._blocks.pop(replica_id, None)
-            return frozenset()
-        known = self._blocks.get(replica_id)
-        if known is not None and known[0] is blocks:
-            return known[1]
-        cached = frozenset(blocks)
-        self._blocks[replica_id] = (blocks, cached)
-        return cached
 
     def _route_request(self, pending: PendingRequest | None) -> RouteRequest:
         """The prompt's block hashes, from the call ``stream/complete(body, kind, request_id)``."""
@@ -206,8 +252,9 @@ class ForgeRequestRouter(RequestRouter):
             text = prompt_text(body, kind)[:_PREFIX_CHARS]
         except (KeyError, IndexError, TypeError):
             return RouteRequest()
-        ids = tokenizer.encode(text)[: self.block_size * self.route_blocks]
-        return RouteRequest(prefix_block_hashes(ids, self.block_size))
+        ids = tokenizer.encode(text)
+        hashes = prefix_block_hashes(ids[: self.block_size * self.route_blocks], self.block_size)
+        return RouteRequest(hashes, prompt_tokens=len(ids), block_size=self.block_size)
 
 
 def _request_id(pending: PendingRequest | None) -> str | None:

@@ -7,8 +7,9 @@ What listens comes from the kernel (``psutil.net_connections``), for the process
 (agents, workers, replicas). What each socket is comes from Ray and Serve themselves: the GCS's
 node table (raylet and agent ports) and worker table (each worker's core gRPC port, by pid),
 Serve's controller (its proxy's HTTP port, the direct-ingress targets, each running replica's
-gRPC port). ``EXPECTED`` lists every role and whether it may bind beyond loopback; a socket of
-no known role fails the test, as does any but a replica's gRPC server on a non-loopback address.
+gRPC port, and where a kv_aware pool's replicas publish their KV events). ``EXPECTED`` lists
+every role and whether it may bind beyond loopback; a socket of no known role fails the test, as
+does any but a replica's gRPC server or KV-event sockets on a non-loopback address.
 docs/listeners.md is the same table for people.
 
 Ray 2.60 binds each replica's inter-deployment gRPC server to ``[::]:0`` (every interface, a
@@ -77,6 +78,10 @@ EXPECTED: dict[str, Role] = {
     "replica gRPC (inter-deployment)": Role(
         "ray::ServeReplica:", True, "controller: running replicas' port"
     ),
+    # A kv_aware pool's replicas publish their KV events (serve_app/kv_events.py) on the node's
+    # address, which routers in other pods must reach: loopback here, the pod's IP on a cluster.
+    "KV events: publisher": Role("ray::ServeReplica:", True, "replica's routing stats"),
+    "KV events: snapshot": Role("ray::ServeReplica:", True, "replica's routing stats"),
 }
 
 
@@ -225,10 +230,14 @@ def known_ports() -> dict[int, Known]:
                 known[target.port] = Known("direct ingress", title=owner)
     for deployment_id, replicas in running_replicas().items():
         for replica in replicas:
+            owner = replica_title(deployment_id)
             if replica.port:
-                known[replica.port] = Known(
-                    "replica gRPC (inter-deployment)", title=replica_title(deployment_id)
-                )
+                known[replica.port] = Known("replica gRPC (inter-deployment)", title=owner)
+            where = (replica.routing_stats or {}).get("kv_events") or {}
+            kv_roles = (("endpoint", "KV events: publisher"), ("snapshot", "KV events: snapshot"))
+            for key, role in kv_roles:
+                if key in where:
+                    known[int(where[key].rsplit(":", 1)[1])] = Known(role, title=owner)
     return known
 
 
@@ -304,6 +313,8 @@ def test_every_listener_is_accounted_for_and_only_replica_grpc_leaves_loopback(f
         "Serve proxy HTTP",
         "direct ingress",
         "replica gRPC (inter-deployment)",
+        "KV events: publisher",  # the kv-aware routing pool's replicas
+        "KV events: snapshot",
     ):
         assert role in seen, f"no {role} listener found:\n{found.table()}"
     assert found.exposed == [], "\n" + found.table()

@@ -62,3 +62,28 @@ def test_a_shared_prefix_lands_on_the_replica_that_caches_it(openai_client, metr
     followers = {_ask(openai_client, model, f"and rule {i}?") for i in range(4)}
     assert followers == {first}, "every request with the prefix went to the warm replica"
     assert _hits(deployment, first) - hits_before >= 4 * 16 * 4, "and hit its prefix cache"
+
+
+def test_kv_aware_routers_follow_the_replicas_kv_events(openai_client, metric):
+    """The kv-aware pool's routers hold, from the replicas' events, the blocks a new prompt
+    left in the cache it was routed to: the index grows by at least the prompt's full blocks."""
+    pool = 'pool="kv-aware"'
+    events, blocks = metric("forge_kv_events_total", pool), metric("forge_kv_index_blocks", pool)
+    replica = _ask(openai_client, "forge-kv-aware", f"a prompt no replica has seen {SYSTEM[::-1]}")
+    target = f'target="{replica}"'
+    # The prompt is over 10 full blocks, all new (the cache is far from full: nothing evicted).
+    eventually(
+        lambda: (
+            metric("forge_kv_events_total", pool) > events
+            and metric("forge_kv_index_blocks", pool, target) >= 10
+            and metric("forge_kv_index_blocks", pool) >= blocks + 10
+        ),
+        timeout_s=15,
+        interval_s=0.5,
+        what="the kv-aware routers to apply the replica's events and index its new blocks",
+        explain=lambda: {
+            "events": metric("forge_kv_events_total", pool),
+            "blocks": metric("forge_kv_index_blocks", pool, target),
+            "lag observations": metric("forge_kv_event_lag_seconds_count", pool),
+        },
+    )

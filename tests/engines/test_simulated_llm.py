@@ -396,3 +396,137 @@ def test_config_rejects_bad_values_naming_the_field() -> None:
         SimulatedLLMConfig(decode_base_s=-1)
     with pytest.raises(ValueError, match="output_tokens_max"):
         SimulatedLLMConfig(output_tokens_min=10, output_tokens_max=5)
+
+
+# -- chunked prefill ---------------------------------------------------------------------------
+
+
+async def test_a_long_prefill_is_chunked_to_the_step_budget(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_num_batched_tokens=256, output_tokens_min=1, output_tokens_max=1)
+    await collect(engine, "long", prompt(1000))
+    assert engine._steps == 4  # ceil(1000 / 256) steps, the first token at the end of the last
+
+
+async def test_decodes_keep_flowing_while_a_long_prompt_prefills(
+    make_engine: EngineFactory,
+) -> None:
+    # The point of chunked prefill in vLLM: a 2,000-token prefill no longer stalls the running
+    # sequences for one long step; each 256-token step also gives them a token.
+    engine = make_engine(max_num_batched_tokens=256, output_tokens_min=40, output_tokens_max=40)
+    tokens: list[int] = []
+
+    async def decode() -> None:
+        async for out in engine.generate("decoding", prompt(4, start=9000), 40):
+            tokens.append(out.index)
+
+    decoding = asyncio.create_task(decode())
+    await wait_until(lambda: len(tokens) >= 1)
+    before = len(tokens)
+    await anext(engine.generate("long", prompt(2000), 1))
+    assert len(tokens) - before >= 7  # ceil(2000 / 255) = 8 steps, a decode token in each
+    decoding.cancel()
+    await asyncio.gather(decoding, return_exceptions=True)
+
+
+async def test_a_short_request_fills_the_budget_a_last_chunk_leaves(
+    make_engine: EngineFactory,
+) -> None:
+    # As vLLM schedules: a prefill under way takes the budget first; a request that arrives
+    # meanwhile is admitted in the step whose chunk leaves room, and both finish in it.
+    engine = make_engine(max_num_batched_tokens=256, output_tokens_min=1, output_tokens_max=1)
+    long = asyncio.create_task(collect(engine, "long", prompt(600)))
+    await wait_until(lambda: engine.num_requests_running == 1)
+    short = await collect(engine, "short", prompt(20, start=9000))
+    await long
+    assert short[0].index == 0 and engine._steps == 3  # 256 + 256 + (88 + 20)
+
+
+async def test_decodes_take_budget_before_prefill_chunks(make_engine: EngineFactory) -> None:
+    # Budget 8 with 4 decoding requests leaves 4 tokens a step for the new prompt's prefill.
+    engine = make_engine(
+        max_num_seqs=5, max_num_batched_tokens=8, output_tokens_min=40, output_tokens_max=40
+    )
+    decoding = [
+        asyncio.create_task(collect(engine, f"d{i}", prompt(2, start=100 * i))) for i in range(4)
+    ]
+    await wait_until(lambda: engine.num_requests_running == 4 and engine._steps >= 2)
+    steps_before = engine._steps
+    first = engine.generate("new", prompt(20, start=7000), 1)
+    await anext(first)
+    assert 5 <= engine._steps - steps_before <= 6  # 20 tokens, 4 a step (+ the step under way)
+    await first.aclose()
+    for task in decoding:
+        task.cancel()
+    await asyncio.gather(*decoding, return_exceptions=True)
+
+
+def test_config_requires_a_budget_that_fits_a_full_batch_of_decodes() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SimulatedLLMConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+# -- KV events ---------------------------------------------------------------------------------
+
+
+class RecordingPublisher:
+    """Records what the engine publishes, in the order it publishes it."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, object]] = []
+        self.loads: list = []
+
+    def stored(self, hashes) -> None:
+        self.ops.append(("stored", list(hashes)))
+
+    def removed(self, hashes) -> None:
+        self.ops.append(("removed", list(hashes)))
+
+    def cleared(self) -> None:
+        self.ops.append(("cleared", None))
+
+    def accepted(self, request_id: str) -> None:
+        self.ops.append(("accepted", request_id))
+
+    def flush(self, load) -> None:
+        self.loads.append(load)
+
+
+async def test_events_name_every_block_cached_and_evicted(make_engine: EngineFactory) -> None:
+    from serve_app.block_hashes import prefix_block_hashes
+
+    engine = make_engine(block_size=4, num_kv_blocks=5, output_tokens_min=3, output_tokens_max=3)
+    events = engine.events = RecordingPublisher()
+    a, b = prompt(9, 0), prompt(9, 100)
+    await collect(engine, "a", a, 3)
+    assert events.ops == [("accepted", "a"), ("stored", list(prefix_block_hashes(a, 4)))]
+    events.ops.clear()
+    await collect(engine, "b", b, 3)
+    await collect(engine, "a2", prompt(9, 200), 3)  # 5 blocks: a's are evicted for it
+    stored = [h for kind, hs in events.ops if kind == "stored" for h in hs]
+    removed = [h for kind, hs in events.ops if kind == "removed" for h in hs]
+    assert set(removed) <= set(prefix_block_hashes(a, 4)) and removed
+    # What the events say is cached is exactly what the engine holds.
+    held = set(prefix_block_hashes(a, 4)) | set(stored)
+    assert held - set(removed) == set(engine.cached_block_hashes())
+    assert events.loads[-1].running == 0 and events.loads[-1].backlog == 0
+
+
+async def test_backlog_counts_the_uncached_tokens_queued(make_engine: EngineFactory) -> None:
+    engine = make_engine(
+        max_num_seqs=1,
+        block_size=4,
+        decode_base_s=0.001,
+        output_tokens_min=50,
+        output_tokens_max=50,
+    )
+    await collect(engine, "warm", prompt(40), 1)  # caches 9 blocks of this prompt
+    busy = asyncio.create_task(collect(engine, "busy", prompt(10, start=500)))
+    await wait_until(lambda: engine.num_requests_running == 1)
+    queued = engine.generate("queued", prompt(40) + prompt(20, start=900), 1)
+    waiter = asyncio.create_task(anext(queued))
+    await wait_until(lambda: engine.num_requests_waiting == 1)
+    assert engine.prefill_backlog() == 60 - 40  # 10 blocks of 4 cached, 20 tokens to go
+    waiter.cancel()
+    busy.cancel()
+    await asyncio.gather(waiter, busy, return_exceptions=True)
+    await queued.aclose()

@@ -1,5 +1,5 @@
 """``ForgeRequestRouter`` built as Serve builds it, without Serve: breakers, retries, probes,
-prompts and the replicas' published prefix caches, as the router sees them per request.
+prompts and the replicas' KV events (a real publisher), as the router sees them per request.
 
 The router is constructed like Ray's own router unit tests do (``FakeRunningReplica``, a
 ``DeploymentID``, a handle source) and then given its policy through ``initialize_state``, the
@@ -10,6 +10,7 @@ No Ray cluster: Ray's metric objects work without one.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -21,6 +22,7 @@ from ray.serve.request_router import PendingRequest
 from serve_app import tokenizer
 from serve_app.block_hashes import prefix_block_hashes
 from serve_app.bridge import pool_bridge, replica_backend, reset_bridges
+from serve_app.kv_events import EngineLoad, KvEventPublisher
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.breaker import BreakerSettings, Outcome
 from serve_app.resilience.client import BreakerClient
@@ -279,35 +281,72 @@ async def test_prefix_affinity_sends_the_same_prompt_to_the_same_replica():
     assert len(firsts) >= 3
 
 
-async def test_kv_aware_sends_a_prompt_where_a_replica_reports_its_blocks():
-    plain, holder = Replica("a"), Replica("b")
-    replicas = [plain, holder]
+async def wait_for(condition, timeout_s: float = 5.0) -> None:
+    """The index applies events on its own thread: give it the milliseconds it needs."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "the router's index never caught up"
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def publisher():
+    """Replica "b"'s KV event publisher, as a real replica runs it, holding ``blocks``."""
+    blocks: set[int] = set()
+    pub = KvEventPublisher("b", lambda: blocks)
+    pub.start()
+    pub.blocks = blocks
+    yield pub
+    await pub.close()
+
+
+def kv_router(replicas: list[Replica], publisher: KvEventPublisher) -> ForgeRequestRouter:
     router = make_router("kv_aware")
     router.update_replicas(replicas)
+    replicas[1].routing_stats = {"kv_events": publisher.describe()}
+    return router
+
+
+async def test_kv_aware_follows_the_blocks_a_replica_publishes_and_evicts(publisher):
+    replicas = [Replica("a"), Replica("b")]
+    router = kv_router(replicas, publisher)
     prompt = "3 tell me about rivers and the sea"
     assert await ranked(router, replicas, pending("req-1", prompt)) == ["a", "b"]  # tie: by id
+    await wait_for(lambda: router.index.watching("b"))
 
-    holder.routing_stats = {"cached_blocks": prompt_blocks(prompt)}
+    blocks = prompt_blocks(prompt)
+    publisher.blocks.update(blocks)
+    publisher.stored(blocks)
+    publisher.flush(EngineLoad(slots=8))
+    await wait_for(lambda: blocks[-1] in router.index.blocks("b"))
     assert await ranked(router, replicas, pending("req-2", prompt)) == ["b", "a"]
 
+    publisher.blocks.clear()
+    publisher.removed(blocks)  # evicted: the index must forget them, or it routes to a miss
+    publisher.flush(EngineLoad(slots=8))
+    await wait_for(lambda: not router.index.blocks("b"))
+    assert await ranked(router, replicas, pending("req-3", prompt)) == ["a", "b"]
+    router.index.close()
 
-async def test_kv_aware_reads_each_new_block_list_not_a_stale_one():
-    """Regression: the router cached a block list's set by the ``id()`` of a list it did not
-    keep alive; a new list allocated at the freed address got the old list's set, so a replica
-    seemed to hold blocks it had evicted and not the ones it had just cached."""
-    plain, holder = Replica("a"), Replica("b")
-    replicas = [plain, holder]
-    router = make_router("kv_aware")
-    router.update_replicas(replicas)
 
-    for n in range(200):
-        prompt = f"{n} tell me about rivers and the sea"
-        # A new stats report: the old list is dropped first, so its address is free for the new.
-        holder.routing_stats = {}
-        holder.routing_stats = {"cached_blocks": prompt_blocks(prompt)}
-        ids = await ranked(router, replicas, pending(f"req-{n}", prompt))
-        # Only the new list holds this prompt's blocks; without them the tie goes to "a".
-        assert ids[0] == "b", f"report {n}: the router did not see the new block list"
+async def test_kv_aware_remembers_where_it_sent_a_new_prompt_before_any_event(publisher):
+    replicas = [Replica("a"), Replica("b")]
+    router = kv_router(replicas, publisher)
+    prompt = "7 a prompt no replica has seen"
+    first = pending("req-1", prompt)
+    assert (await ranked(router, replicas, first))[0] == "a"
+    router.on_request_routed(first, replicas[1].replica_id, None)  # Serve sent it to "b"
+    # No event yet from "b": the router's own memory sends the same prompt after it.
+    assert (await ranked(router, replicas, pending("req-2", prompt)))[0] == "b"
+    # ... and counts its prefill as b's backlog until b's engine says it took it in.
+    assert router.index.assigned_tokens("b") > 0
+    await wait_for(lambda: router.index.watching("b"))
+    publisher.accepted("req-1-1")  # the engine's id for it: "<forge id>-<n>"
+    publisher.flush(EngineLoad(backlog=5, slots=8))
+    await wait_for(lambda: router.index.assigned_tokens("b") == 0)
+    assert router.index.load("b").backlog == 5
+    router.index.close()
 
 
 # -- follow-up calls ---------------------------------------------------------------------------

