@@ -2,7 +2,9 @@
 
 The models validate what Forge relies on (model, messages or prompt, token limits, streaming
 options, sampling ranges) and allow every other OpenAI field through untouched, so new SDK
-parameters reach the backends without a gateway release.
+parameters reach the backends without a gateway release. Numbers and flags are strict, as
+OpenAI's schema types them: ``"max_tokens": true`` or ``"16"`` is a 400, not a silent 1 or 16
+(a backend given the raw body would read it differently from the quota that priced it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -24,7 +27,7 @@ from serve_app import errors, tokenizer
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ContentPart(BaseModel):
@@ -49,13 +52,13 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Annotated[str, Field(min_length=1)]
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    seed: int | None = None
+    max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, strict=True)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1, strict=True)] | None = None
+    n: Annotated[int, Field(ge=1, le=1, strict=True)] = 1
+    seed: Annotated[int, Field(strict=True)] | None = None
     user: str | None = None
 
     @property
@@ -68,7 +71,7 @@ class _SamplingRequest(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -92,7 +95,7 @@ class EmbeddingRequest(BaseModel):
         Field(description="A string, up to 2048 strings, token ids, or up to 2048 token-id arrays"),
     ]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: Annotated[int, Field(ge=1, strict=True)] | None = None
     user: str | None = None
 
     @field_validator("input")

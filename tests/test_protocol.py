@@ -118,6 +118,13 @@ def test_union_fields_name_the_client_field(raw, model, param):
         ({"messages": []}, "messages"),
         ({"model": ""}, "model"),
         ({"stream": "maybe"}, "stream"),
+        # Strict, as OpenAI's schema: a bool is not a count, a string is not a number.
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": "16"}, "max_tokens"),
+        ({"max_completion_tokens": 2.5}, "max_completion_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"stream": 1}, "stream"),
+        ({"seed": False}, "seed"),
     ],
 )
 def test_invalid_values_name_their_param(fields, param):
@@ -129,6 +136,10 @@ def test_n_above_one_is_refused():
     err = rejected(chat(n=2))
     assert err.message == "Only n=1 is supported."
     assert err.param == "n"
+
+
+def test_a_whole_temperature_is_a_number():
+    assert parse_request(chat(temperature=1), ChatCompletionRequest)[1].temperature == 1.0
 
 
 def test_n_equal_one_accepted():
