@@ -146,10 +146,24 @@ class PoolStatus(BaseModel):
     )
 
 
+class RefusedConfig(BaseModel):
+    digest: str = Field(description="The refused user_config's digest.")
+    error: str = Field(description="Why, with each bad field's path.")
+
+
+class LiveConfigStatus(BaseModel):
+    digest: str = Field(description="The live configuration this replica serves.")
+    applied_at: float = Field(description="When it was applied (Unix seconds).")
+    refused: RefusedConfig | None = Field(
+        description="The last change this replica refused since it applied one; null: none."
+    )
+
+
 class GatewayStatus(BaseModel):
     store: StoreStatus
     pools: list[PoolStatus]
     fallback: str | None = Field(description="The fallback's model, if one is configured.")
+    config: LiveConfigStatus
 
 
 class BreakerReset(BaseModel):

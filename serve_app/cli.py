@@ -3,7 +3,9 @@
 ``forge keys new --tenant NAME`` mints a key for a tenant; ``forge breakers [--app forge]``
 shows the circuit breakers of a running Forge (on a machine of its Ray cluster), and
 ``forge breakers --reset [BACKEND]`` closes one, or all; ``forge usage`` reports tokens and
-their cost per tenant and model over HTTP (an admin key in ``FORGE_ADMIN_KEY``).
+their cost per tenant and model over HTTP (an admin key in ``FORGE_ADMIN_KEY``); ``forge config
+check FILE`` validates a Serve config file's Forge application (its args and its gateway's live
+``user_config``) with the models the gateway uses, before ``serve deploy``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,35 @@ def _breakers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    from serve_app.config import ConfigError
+    from serve_app.live_config import application_config, live_digest
+
+    try:
+        with open(args.file) as f:
+            document = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as err:
+        print(f"forge config check: {err}", file=sys.stderr)
+        return 2
+    apps = [a for a in document.get("applications") or [] if a.get("name") == args.app]
+    if not apps:
+        print(f"forge config check: no application named {args.app!r}", file=sys.stderr)
+        return 2
+    try:
+        config = application_config(apps[0])
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 1
+    tenants = ", ".join(t.name for t in config.tenants)
+    print(
+        f"ok: {len(config.tenants)} tenant(s) ({tenants}), {len(config.pools)} pool(s); "
+        f"live configuration {live_digest(config)}"
+    )
+    return 0
+
+
 def _usage(args: argparse.Namespace) -> int:
     from serve_app import usage_report
 
@@ -76,6 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         help="close this backend's breaker (primary, primary/<replica>, fallback), or all",
     )
     breakers.set_defaults(run=_breakers)
+    config = commands.add_parser("config", help="the Forge configuration").add_subparsers(
+        dest="action", required=True
+    )
+    check = config.add_parser(
+        "check",
+        help="validate a Serve config file's Forge app (args and live user_config)",
+        description="Exit 1 with each bad field's path, as the gateway would refuse it.",
+    )
+    check.add_argument("file", help="a Ray Serve config file (configs/local.yaml)")
+    check.add_argument("--app", default="forge", help="the Serve application's name")
+    check.set_defaults(run=_config_check)
     usage = commands.add_parser(
         "usage",
         help="tokens and cost per tenant and model (admin key in $FORGE_ADMIN_KEY)",

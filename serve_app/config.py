@@ -494,7 +494,9 @@ class GatewayConfig(_Strict):
 class ForgeConfig(_Strict):
     gateway: GatewayConfig = GatewayConfig()
     store: StoreConfig = StoreConfig()
-    tenants: Annotated[list[TenantConfig], Field(min_length=1)]
+    # Empty here when the gateway deployment's user_config lists them, as it should to change
+    # them live (serve_app/live_config.py); a gateway with no tenant at all will not start.
+    tenants: list[TenantConfig] = Field(default_factory=list)
     # A mounted secret with more key hashes: YAML or JSON ``{tenant: [sha256, ...]}``.
     key_hashes_file: str | None = None
     pools: Annotated[list[PoolConfig], Field(min_length=1)]

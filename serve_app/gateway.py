@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict, replace
 
 import orjson
 from starlette.applications import Starlette
@@ -26,24 +28,32 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from serve_app.admin_api import build_admin_api, http_error
+from serve_app.auth import KeyRing
 from serve_app.auth_throttle import FailedAuthThrottle
 from serve_app.config import ForgeConfig
+from serve_app.live_config import apply_live, live_digest
 from serve_app.metering import UsageLedger
 from serve_app.pipeline import RequestContext
 from serve_app.request_limits import RequestLimits
 from serve_app.resilience.breaker import State
 from serve_app.resilience.health import HealthWatch
-from serve_app.stack import Collaborators, build_pipeline, model_routes
+from serve_app.resilience.settings import breaker_client_options, breaker_settings
+from serve_app.scheduler import tenant_cap
+from serve_app.settings_digest import settings_digest
+from serve_app.stack import Collaborators, Pipeline, build_pipeline, model_routes, warm_slots
 from serve_app.stages.store_failures import StoreFailures
 
 logger = logging.getLogger("ray.serve")
 
 _JSON = "application/json"
+_SETTINGS_RESEND_S = 10.0
 
 
 class Gateway:
     def __init__(self, config: ForgeConfig, parts: Collaborators) -> None:
         self.config = config
+        self._base = config  # the args' configuration: a live change's sections go over it
+        self._reconfigured = False
         self.store = parts.store
         self.backends = dict(parts.backends)  # pool name (or "fallback") → backend
         self.breakers = parts.breakers
@@ -81,23 +91,125 @@ class Gateway:
             if throttle is not None
             else None
         )
-        self.pipeline = build_pipeline(
+        self._parts, self._routes = parts, routes
+        self._app: Starlette | None = None
+        # Each admission pool's slots as this replica holds them: kept across live changes.
+        self._slots = {
+            p.name: warm_slots(self.schedulers[p.name], p.admission)
+            for p in config.pools
+            if p.admission is not None and p.name in self.schedulers
+        }
+        self.pipeline = self._build_pipeline(config, parts)
+        self.live = {"digest": live_digest(config), "applied_at": time.time(), "refused": None}
+        self._settings_changed = asyncio.Event()
+        self._settings_task: asyncio.Task | None = None
+
+    def _build_pipeline(self, config: ForgeConfig, parts: Collaborators) -> Pipeline:
+        return build_pipeline(
             config,
             parts,
-            routes=routes,
+            routes=self._routes,
             list_models=self._list_models,
             ledger=self.ledger,
             auth_throttle=self.auth_throttle,
+            slots=self._slots,
         )
+
+    # -- live configuration ------------------------------------------------------------------
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this with the gateway deployment's ``user_config`` when a replica starts
+        and whenever it changes (``serve deploy``), without replacing the replica.
+
+        At start an invalid one fails the replica, with each bad field's path (Serve shows it
+        in ``serve status``). Later it is refused: the replica keeps serving what it had, logs
+        the error, counts it and shows it in ``GET /admin/status``. Raising then would make
+        Serve stop the replica and start one that fails the same way.
+        """
+        before = self.live["digest"]
+        try:
+            # Everything is built before anything is swapped: a failure changes nothing.
+            self.apply(apply_live(self._base, user_config))
+        except (ValueError, OSError) as err:  # a bad field (ConfigError), a bad key file
+            if not self._reconfigured:
+                raise
+            digest = settings_digest(user_config)
+            logger.error("live configuration %s refused, still serving %s: %s", digest, before, err)
+            self.metrics.config_changes.inc(tags={"outcome": "refused"})
+            self.live = {**self.live, "refused": {"digest": digest, "error": str(err)}}
+            return
+        self._reconfigured = True
+        self.metrics.config_changes.inc(tags={"outcome": "applied"})
+        logger.info("live configuration %s applied (was %s)", self.live["digest"], before)
+
+    def apply(self, config: ForgeConfig) -> None:
+        """Serve ``config``'s tenants, keys, limits, admission and breaker settings from the
+        next request on (``serve_app/live_config.py`` says which fields may change so).
+
+        Atomic for requests: everything a request reads of the configuration hangs off the
+        pipeline it started in, and the new pipeline, key ring and admin routes are swapped in
+        with no await in between, so a request sees the old set or the new one, never a mix.
+        Requests under way finish under the old one. What lives across requests is kept: the
+        store's budgets and cache, the usage ledger, this replica's parked slots, the breakers'
+        states; the schedulers and the breaker board get their part in the background.
+        """
+        keyring = KeyRing.from_config(config)  # reads a mounted key file again: it may rotate
+        parts = replace(self._parts, keyring=keyring)
+        pipeline = self._build_pipeline(config, parts)
+        admin = self._admin_api(config, keyring) if self._app is not None else None
+        for pool in config.pools:  # the per-tenant cap and keep-warm of each pool's slots
+            slots = self._slots.get(pool.name)
+            if slots is not None and pool.admission is not None:
+                slots.tenant_cap = tenant_cap(
+                    pool.admission.max_inflight, pool.admission.max_tenant_share
+                )
+                slots.keep_warm_s = pool.admission.keep_warm_s
+        # The swap: no await from here to the end.
+        self.config, self.keyring, self._parts, self.pipeline = config, keyring, parts, pipeline
+        if self._app is not None:
+            self._app.router.default = admin
+        self.breakers.configure(**breaker_client_options(config.resilience))
+        self.live = {"digest": live_digest(config), "applied_at": time.time(), "refused": None}
+        self._settings_changed.set()
+
+    async def _push_settings(self) -> None:
+        """Keep the schedulers and the breaker board on this replica's configuration: at once
+        after a change, then every ``_SETTINGS_RESEND_S`` (a restarted scheduler or board
+        comes back with the args' settings and catches up here; a repeat is a no-op there)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settings_changed.wait(), _SETTINGS_RESEND_S)
+            self._settings_changed.clear()
+            config = self.config
+            tenants = [t.model_dump() for t in config.tenants]
+            for pool in config.pools:
+                scheduler = self.schedulers.get(pool.name)
+                if scheduler is None or pool.admission is None:
+                    continue
+                try:
+                    await scheduler.configure(pool.admission.model_dump(), tenants)
+                except Exception as exc:  # down or restarting: the next round tries again
+                    logger.warning("scheduler %s: settings not delivered: %r", pool.name, exc)
+            try:
+                await self.breakers.configure_board(
+                    asdict(breaker_settings(config.resilience.breaker))
+                )
+            except Exception as exc:
+                logger.warning("breaker board: settings not delivered: %r", exc)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the background work: the fallback is probed from now on, idle or not."""
+        """Start the background work: the fallback is probed from now on, idle or not, and
+        the schedulers and the board hear this replica's live settings."""
         if self.fallback_health is not None:
             self.fallback_health.start()
+        if self._settings_task is None:
+            self._settings_task = asyncio.get_running_loop().create_task(self._push_settings())
 
     async def aclose(self) -> None:
+        if self._settings_task is not None:
+            self._settings_task.cancel()
         for stage in self.pipeline.stages:
             close = getattr(stage, "aclose", None)
             if close is not None:
@@ -153,17 +265,21 @@ class Gateway:
             ],
             lifespan=self.lifespan,
         )
+        app.router.default = self._admin_api(self.config, self.keyring)
+        self._app = app
+        return app
+
+    def _admin_api(self, config: ForgeConfig, keyring: KeyRing):
         pools = {name: b.pool for name, b in self.backends.items() if b.pool is not None}
-        app.router.default = build_admin_api(
-            self.config,
-            self.keyring,
+        return build_admin_api(
+            config,
+            keyring,
             self.ledger,
             self.breakers,
             pools,
             status=self.status,
             auth_throttle=self.auth_throttle,
         )
-        return app
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.pipeline.inference(RequestContext(request, "chat"))
@@ -207,6 +323,8 @@ class Gateway:
             },
             "pools": pools,
             "fallback": self.config.fallback.model if self.config.fallback else None,
+            # The live configuration this replica serves, and the last change it refused.
+            "config": self.live,
         }
 
     async def healthz(self, request: Request) -> Response:

@@ -84,6 +84,15 @@ class GatewayIngress(Gateway):
         )
         super().__init__(forge, parts)
 
+    def check_health(self) -> None:
+        """Serve's health check (also part of start-up): a gateway with no tenant would answer
+        every request 401, which is a configuration error, not a running service."""
+        if not self.config.tenants:
+            raise RuntimeError(
+                "no tenants: list them in the gateway deployment's user_config (or the "
+                "application's args)"
+            )
+
     def __serve_build_asgi_app__(self) -> Starlette:
         # Serve calls this on the replica's event loop, before it hands the replica its port:
         # a task waits for the port, then says where this replica listens.

@@ -31,6 +31,7 @@ from serve_app.backends.pool import pool_timeouts
 from serve_app.bridge import PoolBridge
 from serve_app.config import ForgeConfig, PoolConfig
 from serve_app.gateway import Gateway
+from serve_app.live_config import application_config
 from serve_app.metrics import ForgeMetrics
 from serve_app.replica import Replica
 from serve_app.resilience.board import BreakerBoard
@@ -115,21 +116,20 @@ def local_replicas(pool: PoolConfig, tracer: Tracer | None = None) -> list[Repli
     return replicas
 
 
-def _forge_args(serve_config: Mapping, app: str) -> dict:
+def _forge_config(serve_config: Mapping, app: str) -> ForgeConfig:
+    """The app's args with its gateway's user_config over them, as Serve would serve them."""
     for application in serve_config.get("applications", []):
         if application.get("name") == app:
             env = (application.get("runtime_env") or {}).get("env_vars") or {}
             for name, value in env.items():
                 os.environ.setdefault(name, str(value))
-            return application.get("args") or {}
+            return application_config(application)
     raise SystemExit(f"no application named {app!r} in the config")
 
 
 def main() -> None:
     import uvicorn
     import yaml
-
-    from serve_app.config import load_config
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a Ray Serve config file (configs/local.yaml)")
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8001)
     args = parser.parse_args()
     with open(args.config) as f:
-        config = load_config(_forge_args(yaml.safe_load(f), args.app))
+        config = _forge_config(yaml.safe_load(f), args.app)
     gateway = build_local_gateway(config)
     uvicorn.run(gateway.asgi_app(), host=args.host, port=args.port, log_level="warning")
 

@@ -77,6 +77,11 @@ class ForgeMetrics:
             "Time from request arrival to the end of the answer.",
             *("route", "model", "backend"),
         )
+        self.config_changes = counter(
+            "forge_config_changes_total",
+            "Live configuration changes (the gateway's user_config) applied or refused.",
+            "outcome",
+        )
         self.truncated = counter(
             "forge_truncated_total",
             "Streams that ended in an error event after their first byte (not client leaves).",

@@ -177,25 +177,8 @@ class FairScheduler:
         max_tenant_share: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight!r}")
-        if not lease_ttl_s > 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s!r}")
-        if max_queued_total is not None and max_queued_total < 0:
-            raise ValueError(f"max_queued_total must be >= 0 or None, got {max_queued_total!r}")
-        if batch_every < 1:
-            raise ValueError(f"batch_every must be >= 1, got {batch_every!r}")
-        if not 0 < max_tenant_share <= 1:
-            raise ValueError(f"max_tenant_share must be in (0, 1], got {max_tenant_share!r}")
-        self.tenant_cap = tenant_cap(max_inflight, max_tenant_share)
-        self.max_inflight = max_inflight
-        self.lease_ttl_s = lease_ttl_s
-        self.max_queued_total = max_queued_total
-        self.batch_every = batch_every
         self._clock = clock
-        self._default = default_tenant or TenantShare()
-        self._tenants: dict[str, TenantShare] = dict(tenants or {})
-        self._seen: dict[str, None] = dict.fromkeys(self._tenants)  # ordered set, for snapshots
+        self._seen: dict[str, None] = {}  # ordered set, for snapshots
 
         # Only tenants with waiters have a deque (insertion order = order they began waiting).
         self._queues: dict[Tier, dict[str, deque[_Waiter]]] = {t: {} for t in TIERS}
@@ -215,6 +198,54 @@ class FairScheduler:
         self._shed: Counter[tuple[str, str]] = Counter()
         self._expired: Counter[str] = Counter()
         self._mean_hold_s: float | None = None
+        self.reconfigure(
+            max_inflight,
+            default_tenant=default_tenant,
+            tenants=tenants,
+            lease_ttl_s=lease_ttl_s,
+            max_queued_total=max_queued_total,
+            batch_every=batch_every,
+            max_tenant_share=max_tenant_share,
+        )
+
+    def reconfigure(
+        self,
+        max_inflight: int,
+        *,
+        default_tenant: TenantShare | None = None,
+        tenants: Mapping[str, TenantShare] | None = None,
+        lease_ttl_s: float = 30.0,
+        max_queued_total: int | None = None,
+        batch_every: int = 5,
+        max_tenant_share: float = 1.0,
+    ) -> None:
+        """Apply new settings to a running scheduler (a live configuration change).
+
+        Every lease and every waiter stays: a larger budget grants waiters at once, a smaller
+        one takes effect as held slots come back (no lease is revoked). Tenants not listed fall
+        back to the default share; a lease keeps the expiry it was given, its renewals use the
+        new TTL. Invalid settings raise before anything changes.
+        """
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight!r}")
+        if not lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s!r}")
+        if max_queued_total is not None and max_queued_total < 0:
+            raise ValueError(f"max_queued_total must be >= 0 or None, got {max_queued_total!r}")
+        if batch_every < 1:
+            raise ValueError(f"batch_every must be >= 1, got {batch_every!r}")
+        if not 0 < max_tenant_share <= 1:
+            raise ValueError(f"max_tenant_share must be in (0, 1], got {max_tenant_share!r}")
+        self.tenant_cap = tenant_cap(max_inflight, max_tenant_share)
+        self.max_inflight = max_inflight
+        self.lease_ttl_s = lease_ttl_s
+        self.max_queued_total = max_queued_total
+        self.batch_every = batch_every
+        self._default = default_tenant or TenantShare()
+        self._tenants: dict[str, TenantShare] = dict(tenants or {})
+        for name in self._tenants:
+            self._seen.setdefault(name, None)
+        self._dispatch()
 
     # -- tenants ---------------------------------------------------------------------------------
 

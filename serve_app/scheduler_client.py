@@ -62,6 +62,11 @@ class SchedulerClient(Protocol):
         """The pool's slots now (``admission_view``), for ``GET /admin/status``."""
         ...
 
+    async def configure(self, admission: dict, tenants: list[dict]) -> None:
+        """Apply a live change of the pool's admission settings and tenants (their weights,
+        tiers and queue caps), keeping every lease and waiter."""
+        ...
+
 
 def admission_view(snap: SchedulerSnapshot) -> dict:
     """Slots in use and by whom: a request that ended and still holds a slot shows here."""
@@ -119,18 +124,34 @@ class LocalSchedulerClient:
     async def snapshot(self) -> dict:
         return admission_view(self.scheduler.snapshot())
 
+    async def configure(self, admission: dict, tenants: list[dict]) -> None:
+        apply_settings(self.scheduler, admission, tenants)
+        self.deadline_s = AdmissionConfig.model_validate(admission).deadline_s
+
+
+def apply_settings(scheduler: FairScheduler, admission: dict, tenants: list[dict]) -> None:
+    """A live change of a pool's admission settings and tenants (validated before any change)."""
+    config = AdmissionConfig.model_validate(admission)
+    settings = scheduler_settings(config, [TenantConfig.model_validate(t) for t in tenants])
+    scheduler.reconfigure(**settings)
+
 
 def fair_scheduler(admission: AdmissionConfig, tenants: Iterable[TenantConfig]) -> FairScheduler:
     """A pool's ``FairScheduler`` from its validated admission config and the tenants."""
-    return FairScheduler(
-        admission.max_inflight,
-        default_tenant=TenantShare(queue_cap=admission.queue_cap),
-        tenants={t.name: _share(t, admission) for t in tenants},
-        lease_ttl_s=admission.lease_ttl_s,
-        max_queued_total=admission.max_queued_total,
-        batch_every=admission.batch_every,
-        max_tenant_share=admission.max_tenant_share,
-    )
+    return FairScheduler(**scheduler_settings(admission, tenants))
+
+
+def scheduler_settings(admission: AdmissionConfig, tenants: Iterable[TenantConfig]) -> dict:
+    """``FairScheduler``'s settings (for its constructor and ``reconfigure``)."""
+    return {
+        "max_inflight": admission.max_inflight,
+        "default_tenant": TenantShare(queue_cap=admission.queue_cap),
+        "tenants": {t.name: _share(t, admission) for t in tenants},
+        "lease_ttl_s": admission.lease_ttl_s,
+        "max_queued_total": admission.max_queued_total,
+        "batch_every": admission.batch_every,
+        "max_tenant_share": admission.max_tenant_share,
+    }
 
 
 def _share(tenant: TenantConfig, admission: AdmissionConfig) -> TenantShare:

@@ -26,6 +26,7 @@ from serve_app.scheduler_client import (
     apply_ops,
     fair_scheduler,
 )
+from serve_app.settings_digest import settings_digest
 
 _EXPORT_EVERY_S = 1.0
 
@@ -38,6 +39,7 @@ class SchedulerDeployment:
             fair_scheduler(config, map(TenantConfig.model_validate, tenants)), config.deadline_s
         )
         self.scheduler = self.local.scheduler
+        self._applied = settings_digest(admission, tenants)
         self._queue_depth = gauge(
             "forge_queue_depth",
             "Requests waiting for a slot, by pool and tenant.",
@@ -96,6 +98,16 @@ class SchedulerDeployment:
     async def renew(self, lease_id: str) -> bool:
         return await self.local.renew(lease_id)
 
+    async def configure(self, admission: dict, tenants: list[dict]) -> bool:
+        """A live change from the gateway (each gateway replica sends the same one, and sends
+        it again now and then: a restarted scheduler catches up). True if it changed anything."""
+        digest = settings_digest(admission, tenants)
+        if digest == self._applied:
+            return False
+        await self.local.configure(admission, tenants)
+        self._applied = digest
+        return True
+
     def snapshot(self) -> dict:
         snap = self.scheduler.snapshot()
         return admission_view(snap) | {
@@ -127,3 +139,6 @@ class ServeSchedulerClient:
 
     async def snapshot(self) -> dict:
         return await self._handle.snapshot.remote()
+
+    async def configure(self, admission: dict, tenants: list[dict]) -> None:
+        await self._handle.configure.remote(admission, tenants)

@@ -83,10 +83,13 @@ def build_pipeline(
     list_models: Handler,
     ledger: UsageLedger | None = None,
     auth_throttle: FailedAuthThrottle | None = None,
+    slots: Mapping[str, WarmSlots] | None = None,
 ) -> Pipeline:
     """The request path. ``routes``: model → its backends in order of preference; ``ledger``
     keeps usage per tenant and day (None: Prometheus only); ``auth_throttle`` turns repeated
-    wrong keys into 429s; with ``parts.tracer``, a root span first and a span per stage."""
+    wrong keys into 429s; ``slots``: pool name → this replica's slots of it, to keep across a
+    rebuild (a live configuration change; built here when absent); with ``parts.tracer``, a
+    root span first and a span per stage."""
     metrics, schedulers, tracer = parts.metrics, parts.schedulers, parts.tracer
     front: list[Stage] = [
         RequestIdStage(),
@@ -108,7 +111,10 @@ def build_pipeline(
         ),
         *cache_stage(config, parts),
         AdmissionStage(
-            {p.model: warm_slots(schedulers[p.name], p.admission) for p in admitted},
+            {
+                p.model: (slots or {}).get(p.name) or warm_slots(schedulers[p.name], p.admission)
+                for p in admitted
+            },
             {p.model: p.admission.deadline_s for p in admitted},
             metrics,
         ),

@@ -14,8 +14,9 @@ from openapi_spec_validator import validate
 from starlette.routing import Route
 
 from serve_app.auth import AdminKeys, hash_key
-from serve_app.config import ForgeConfig, load_config
+from serve_app.config import load_config
 from serve_app.gateway import Gateway
+from serve_app.live_config import application_config
 from serve_app.local import build_local_gateway
 from serve_app.metering import UsageRecord
 from serve_app.openapi import SCHEMA_REF, add_component
@@ -526,8 +527,7 @@ def test_the_local_config_has_a_demo_admin_key():
     import yaml
 
     with open(Path(__file__).resolve().parents[1] / "configs" / "local.yaml") as f:
-        args = yaml.safe_load(f)["applications"][0]["args"]
-    config = ForgeConfig.model_validate(args)
+        config = application_config(yaml.safe_load(f)["applications"][0])
     assert AdminKeys.from_config(config).is_admin("Bearer sk-demo-admin-local-only")
 
 

@@ -173,3 +173,19 @@ def test_usage_without_a_key_or_a_gateway_exits_1(monkeypatch, capsys):
 def test_the_admin_key_is_never_a_command_line_argument():
     with pytest.raises(SystemExit):
         cli.main(["usage", "--key", ADMIN_KEY])
+
+
+def test_config_check_passes_the_shipped_configs_and_names_a_bad_live_field(tmp_path, capsys):
+    import yaml
+
+    for name in ("local.yaml", "gke.yaml"):
+        assert cli.main(["config", "check", f"configs/{name}"]) == 0
+    assert "live configuration" in capsys.readouterr().out
+    document = yaml.safe_load(open("configs/local.yaml"))
+    gateway = document["applications"][0]["deployments"][0]
+    gateway["user_config"]["tenants"][1]["limits"]["rpm"] = 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 1
+    assert "tenants.1.limits.rpm" in capsys.readouterr().err
+    assert cli.main(["config", "check", str(bad), "--app", "nope"]) == 2

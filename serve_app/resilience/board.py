@@ -46,6 +46,10 @@ class BoardPort(Protocol):
         """Close one breaker, or all; every non-closed state back."""
         ...
 
+    async def configure(self, settings: dict) -> None:
+        """A live change of the breaker settings; every breaker keeps its state."""
+        ...
+
 
 _FORGET_AFTER_S = 600.0  # a replica's breaker nobody reported on for this long is gone
 
@@ -64,6 +68,13 @@ class BreakerBoard:
         self._breakers: dict[str, Breaker] = {}
         self._touched: dict[str, float] = {}
         self._metrics = metrics
+
+    async def configure(self, settings: dict) -> None:
+        """New thresholds, windows and cool-downs for every breaker, now and to come: an open
+        breaker stays open (its cool-down measured with the new setting), counts are kept."""
+        self.settings = BreakerSettings(**settings)
+        for breaker in self._breakers.values():
+            breaker.settings = self.settings
 
     def breaker(self, backend: str) -> Breaker:
         breaker = self._breakers.get(backend)
@@ -201,3 +212,6 @@ class ServeBoard:
 
     async def reset(self, backend: str | None = None) -> Snapshot:
         return await self._handle.reset.remote(backend)
+
+    async def configure(self, settings: dict) -> None:
+        await self._handle.configure.remote(settings)

@@ -66,6 +66,16 @@ class BreakerClient:
         self._task: asyncio.Task | None = None
         self._closed = False
 
+    def configure(self, *, trip_after: int | None, local_open_s: float) -> None:
+        """A live change of the breaker settings, for this replica's own early copies."""
+        self._trip_after = trip_after
+        self._local_open_s = local_open_s
+
+    async def configure_board(self, settings: dict) -> None:
+        """Pass a live change of the breaker settings on to the board (every breaker there)."""
+        if self._board is not None:
+            await self._board.configure(settings)
+
     # -- reads (the request path) ------------------------------------------------------------
 
     def state(self, backend: str) -> State:

@@ -310,13 +310,14 @@ def forge_app(config: dict) -> dict:
 
 def check_serve_config(config: dict) -> None:
     """What KubeRay's dashboard call and Forge's builder do with serveConfigV2: Serve's schema,
-    then Forge's own config model on the app's args. Raises what they raise."""
+    then Forge's own config model on the app's args with its gateway's user_config over them
+    (what a gateway replica serves). Raises what they raise."""
     from ray.serve.schema import ServeDeploySchema
 
-    from serve_app.config import load_config
+    from serve_app.live_config import application_config
 
     ServeDeploySchema.model_validate(config)
-    load_config(forge_app(config)["args"])
+    application_config(forge_app(config))
 
 
 def gke_config() -> dict:
