@@ -1,0 +1,50 @@
+"""The rollout drill's own logic without a graph: each phase changes what it says and nothing
+else, replicas are compared by id and PID, and ``--check`` fails what it should."""
+
+from __future__ import annotations
+
+import yaml
+
+from loadtest import rollout
+from serve_app.live_config import application_config
+
+BASE = yaml.safe_load(open(rollout.REPO / rollout.CONFIG))
+
+
+def forge(config: dict) -> dict:
+    return next(a for a in config["applications"] if a["name"] == "forge")
+
+
+def test_the_tenant_phase_changes_only_the_gateways_user_config():
+    changed = rollout.variant(BASE, "tenant")
+    assert forge(changed)["args"] == forge(BASE)["args"]
+    config = application_config(forge(changed))
+    assert [t.name for t in config.tenants] == ["alpha", "beta", "gamma"]
+    assert config.tenants[1].limits.rpm == 600
+    assert forge(BASE)["deployments"] != forge(changed)["deployments"]
+
+
+def test_the_pool_and_gateway_phases_change_only_the_args():
+    for phase, field in (("pool", "pools"), ("gateway", "gateway")):
+        changed = rollout.variant(BASE, phase)
+        assert forge(changed)["deployments"] == forge(BASE)["deployments"]
+        differs = [
+            k for k in forge(BASE)["args"] if forge(BASE)["args"][k] != forge(changed)["args"][k]
+        ]
+        assert differs == [field]
+        application_config(forge(changed))  # still valid
+
+
+def test_replicas_are_the_same_only_with_the_same_id_and_pid():
+    before = {"gateway": {"a": (1, "RUNNING")}, "pool": {"b": (2, "RUNNING"), "c": (3, "RUNNING")}}
+    after = {"gateway": {"a": (1, "RUNNING")}, "pool": {"b": (9, "RUNNING"), "d": (4, "RUNNING")}}
+    replaced, kept = rollout.compare(before, after)
+    assert replaced == {"gateway": 0, "pool": 2} and kept == {"gateway": 1, "pool": 0}
+
+
+def test_check_fails_a_live_change_that_replaced_a_replica_or_lost_a_request():
+    ok = {"phase": "tenant", "truncated": 0, "errors": 0, "replaced": {}, "note": "served"}
+    assert rollout.problems([ok]) == []
+    assert rollout.problems([{**ok, "replaced": {"gateway": 1}}])
+    assert rollout.problems([{**ok, "phase": "pool", "truncated": 1}])
+    assert rollout.problems([{**ok, "phase": "refused", "note": "configuration kept: False"}])
