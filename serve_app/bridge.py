@@ -59,6 +59,8 @@ class BridgedPool:
     one over a Serve handle, whose router keeps the bridge current, and the in-process one).
     A subclass provides ``wake``."""
 
+    served_model: str | None = None  # the pool serves the requested model itself
+
     def __init__(self, name: str, bridge: PoolBridge | None = None) -> None:
         self.name = name  # the pool's name: its breaker's, and its replicas' prefix
         self.bridge = bridge or PoolBridge()

@@ -40,6 +40,7 @@ class RequestContext:
     body: dict[str, Any] | None = None  # the client's JSON, forwarded to the backend
     parsed: Any = None  # the validated protocol model
     backend: str = "none"
+    served_model: str | None = None  # the backend's model, when not the one asked (failover)
     replica: str | None = None
     usage: dict | None = None
     first_byte_at: float | None = None

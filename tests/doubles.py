@@ -79,6 +79,7 @@ class FakeBackend:
     """A backend scripted to stream the given batches, failing before or after where told."""
 
     pool = None
+    served_model = None
 
     def __init__(
         self,

@@ -81,6 +81,17 @@ def test_without_a_backends_usage_the_estimate_is_charged_and_flagged():
     assert counts["fallback_requests"] == 1 and counts["errors_disconnected"] == 1
 
 
+def test_what_the_fallback_served_is_recorded_under_its_own_model():
+    ctx = make_ctx(stream=False)
+    ctx.backend, ctx.served_model, ctx.first_byte_at = "fallback", "mock-gemini", 1.0
+    ctx.usage = {"prompt_tokens": 9, "completion_tokens": 5}
+    record = usage_record(ctx, 200, "2026-11-30")
+    assert record.model == "mock-gemini"  # priced at the upstream's price, not the pool's
+    assert record.counts["fallback_requests"] == 1 and record.counts["prompt_tokens"] == 9
+    ctx.cache = "hit"  # a replay of a cached answer is the requested model's
+    assert usage_record(ctx, 200, "2026-11-30").model == ctx.model_label
+
+
 def test_a_refusal_before_the_first_byte_is_charged_nothing():
     counts = usage_record(make_ctx(), 429, "2026-11-30").counts
     assert counts == {
@@ -296,6 +307,13 @@ async def test_a_mixed_run_is_charged_exactly_what_the_engines_counted(served):
     assert used["completion_tokens"] == generated["completion_tokens"]
     assert used["fallback_requests"] == 1
     assert used["errors_disconnected"] == 3
+    # The fallback's tokens are under its own model (its price), the pool's under the pool's.
+    rows = await gateway.ledger.read(["meter"], TODAY, TODAY)
+    by_model = {r.model: r for r in rows}
+    assert set(by_model) == {MODEL, "mock-gemini"}
+    assert by_model["mock-gemini"]["fallback_requests"] == 1
+    assert by_model["mock-gemini"]["requests"] == 1 and by_model[MODEL]["fallback_requests"] == 0
+    assert by_model["mock-gemini"]["completion_tokens"] > 0
     assert "estimated_requests" not in used
 
 

@@ -90,6 +90,9 @@ class PoolControl(Protocol):
 class Backend(Protocol):
     name: str  # the ``backend`` label in metrics, logs and ``x-forge-backend``
     pool: PoolControl | None  # a pool of replicas, or None for an external backend
+    # The model that answers when it is not the one asked for (the fallback's upstream model):
+    # usage is recorded, and priced, under it. None: the requested model answers.
+    served_model: str | None
 
     def stream(
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None

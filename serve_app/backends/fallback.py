@@ -34,6 +34,7 @@ class FallbackBackend:
         credentials: Credentials | None = None,
     ):
         self.config = config
+        self.served_model = config.model
         # Built here, at start: a missing API key secret stops the deployment.
         self._credentials = credentials if credentials is not None else credentials_for(config)
         self._client = httpx.AsyncClient(

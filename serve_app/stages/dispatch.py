@@ -196,6 +196,7 @@ class Dispatch:
         _release_pool_slot_on_failover(ctx, backend, candidates)
         response = result["response"]
         ctx.backend, ctx.usage, ctx.completion = backend.name, response.get("usage"), response
+        ctx.served_model = backend.served_model
         ctx.replica = result["replica"] or ctx.replica
         ctx.first_byte_at = time.perf_counter()
         return Response(
@@ -218,7 +219,7 @@ class Dispatch:
         except BaseException:
             await stream.aclose()
             raise
-        ctx.backend = backend.name
+        ctx.backend, ctx.served_model = backend.name, backend.served_model
         attempt.answering(ctx)
         _release_pool_slot_on_failover(ctx, backend, candidates)
         head = take_frames(ctx, first)

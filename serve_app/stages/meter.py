@@ -72,4 +72,7 @@ def usage_record(ctx: RequestContext, status: int, day: str) -> UsageRecord:
     failure = error_class(status)
     if failure is not None:
         counts[f"errors_{failure}"] = 1
-    return UsageRecord(ctx.tenant_name, ctx.model_label, day, counts)
+    # Tokens the fallback processed are its model's, priced at its price (``forge usage``); a
+    # cache hit replays an answer of the requested model's, whoever first produced it.
+    model = ctx.served_model if ctx.served_model and ctx.cache != "hit" else ctx.model_label
+    return UsageRecord(ctx.tenant_name, model, day, counts)
