@@ -60,6 +60,7 @@ class BridgedPool:
     A subclass provides ``wake``."""
 
     served_model: str | None = None  # the pool serves the requested model itself
+    kinds = ("chat", "completion", "embedding")  # its model's task decides (stages/parse.py)
 
     def __init__(self, name: str, bridge: PoolBridge | None = None) -> None:
         self.name = name  # the pool's name: its breaker's, and its replicas' prefix

@@ -357,6 +357,9 @@ class FallbackConfig(_Strict):
     # top_k or ignore_eos, `user`, `logit_bias`, `parallel_tool_calls`, ...) are dropped on the
     # way out, so a failover never turns into a client's 400 over a field. None: forward all.
     accepted_params: tuple[str, ...] | None = GEMINI_PARAMS
+    # The OpenAI routes the upstream serves; a pool's request on another route is not failed
+    # over (its own error stands, not the upstream's 404). Gemini serves chat only.
+    kinds: tuple[Literal["chat", "completion"], ...] = ("chat",)
 
     @model_validator(mode="before")
     @classmethod

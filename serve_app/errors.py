@@ -94,6 +94,23 @@ def wrong_route(model: str, embeddings: bool) -> ForgeError:
     )
 
 
+def unsupported_route(model: str, kind: str) -> ForgeError:
+    """A model whose only backend does not serve this kind of request (an upstream without
+    /v1/completions): named, instead of the upstream's bare 404."""
+    path = {
+        "chat": "/v1/chat/completions",
+        "completion": "/v1/completions",
+        "embedding": "/v1/embeddings",
+    }.get(kind, kind)
+    return ForgeError(
+        400,
+        f"The model `{model}` is not served on {path}.",
+        type="invalid_request_error",
+        code="unsupported_model",
+        param="model",
+    )
+
+
 def not_found(path: str) -> ForgeError:
     return ForgeError(404, f"No route for {path}.", type="invalid_request_error", code="not_found")
 

@@ -80,6 +80,7 @@ class FakeBackend:
 
     pool = None
     served_model = None
+    kinds = ("chat", "completion", "embedding")
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ handles and external HTTP means dispatch, failover and metering have a single co
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,6 +93,7 @@ class Backend(Protocol):
     # The model that answers when it is not the one asked for (the fallback's upstream model):
     # usage is recorded, and priced, under it. None: the requested model answers.
     served_model: str | None
+    kinds: Collection[Kind]  # the requests it serves: "chat", "completion", "embedding"
 
     def stream(
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None

@@ -35,6 +35,7 @@ class FallbackBackend:
     ):
         self.config = config
         self.served_model = config.model
+        self.kinds = config.kinds
         # Built here, at start: a missing API key secret stops the deployment.
         self._credentials = credentials if credentials is not None else credentials_for(config)
         self._client = httpx.AsyncClient(

@@ -103,6 +103,9 @@ class Dispatch:
         candidates = self.routes.get(ctx.parsed.model)
         if not candidates:
             raise errors.model_not_found(ctx.parsed.model)
+        candidates = [b for b in candidates if ctx.route in b.kinds]
+        if not candidates:  # the fallback's own model, on a route its upstream lacks
+            raise errors.unsupported_route(ctx.parsed.model, ctx.route)
         if self.budget is not None:
             self.budget.on_request(time.monotonic())
         plan = _Plan(self, ctx, candidates)

@@ -173,3 +173,29 @@ async def test_a_probe_granted_to_a_retry_the_budget_refuses_is_handed_back():
     await client.flush()
     assert fallback.calls == []
     assert await client.admit("fallback") is Admit.PROBE
+
+
+async def test_a_request_the_fallback_does_not_serve_is_not_failed_over_to_it():
+    primary, fallback = dead("primary"), FakeBackend("fallback", [[chunk("ok")]])
+    fallback.kinds = ("chat",)  # Gemini: no /v1/completions
+    dispatch, _, _ = rig(primary, fallback)
+    ctx = make_ctx()
+    ctx.route = "completion"
+    with pytest.raises(ForgeError) as info:
+        await dispatch(ctx)
+    # The pool's own failure (retried on the pool), never the upstream's 404.
+    assert info.value.status == 502 and fallback.calls == [] and len(primary.calls) == 2
+    response = await dispatch(make_ctx())  # a chat request still fails over
+    assert response.headers["x-forge-backend"] == "fallback"
+
+
+async def test_the_fallbacks_own_model_on_a_route_it_lacks_is_a_named_400():
+    fallback = FakeBackend("fallback", [[chunk("ok")]])
+    fallback.kinds = ("chat",)
+    dispatch = Dispatch({MODEL: [fallback]}, None, None)
+    ctx = make_ctx()
+    ctx.route = "completion"
+    with pytest.raises(ForgeError) as info:
+        await dispatch(ctx)
+    assert info.value.status == 400 and "/v1/completions" in info.value.message
+    assert fallback.calls == []
