@@ -201,6 +201,22 @@ class RoutingConfig(_Strict):
     # How often replicas report their load and cache state to the routers.
     stats_period_s: Annotated[float, Field(gt=0)] = 1.0
 
+    @model_validator(mode="after")
+    def _policy_builds(self) -> RoutingConfig:
+        """The policy is built here as the routers will build it: a bad option fails the config
+        with its name, not a router in every gateway (a pool that never becomes routable)."""
+        from serve_app.routing.base import build_policy
+
+        options = dict(self.options)
+        route_blocks = options.pop("route_blocks", 128)  # the router's own, not the policy's
+        if not isinstance(route_blocks, int) or isinstance(route_blocks, bool) or route_blocks < 1:
+            raise ValueError(f"options.route_blocks must be an integer >= 1, got {route_blocks!r}")
+        try:
+            build_policy(self.policy, **options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"options: {exc}") from None
+        return self
+
 
 class BreakerConfig(_Strict):
     """Circuit breakers (per replica, per pool, for the fallback): when a backend is known dead."""

@@ -260,3 +260,28 @@ def test_a_retry_floor_below_the_breaker_threshold_is_refused_naming_both():
     assert "retry_budget.min_retries (3)" in message and "failure_threshold (5)" in message
     args["resilience"]["retry_budget"]["min_retries"] = 5
     assert load_config(args).resilience.retry_budget.min_retries == 5
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"bound": "latency"}, "bound must be 'requests' or 'tokens'"),
+        ({"load_factor": 0.5}, "load_factor must be >= 1"),
+        ({"prefix_blocks": 4}, "unexpected keyword argument 'prefix_blocks'"),
+        ({"route_blocks": 0}, "route_blocks must be an integer >= 1"),
+    ],
+)
+def test_a_routing_option_the_policy_refuses_fails_the_config_not_the_router(options, named):
+    args = minimal()
+    args["pools"][0]["routing"] = {"policy": "kv_aware", "options": options}
+    message = config_error(args)
+    assert "pools.0.routing" in message and named in message
+
+
+def test_the_routing_options_the_policy_takes_pass():
+    args = minimal()
+    args["pools"][0]["routing"] = {
+        "policy": "kv_aware",
+        "options": {"bound": "tokens", "load_factor": 1.25, "route_blocks": 64},
+    }
+    assert load_config(args).pools[0].routing.options["bound"] == "tokens"
