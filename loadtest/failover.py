@@ -62,7 +62,11 @@ def forge_args(port: int, redis_url: str) -> dict:
                 "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
             }
         ],
-        "fallback": {"base_url": f"http://127.0.0.1:{port}/mock/v1", "model": "mock-gemini"},
+        "fallback": {
+            "base_url": f"http://127.0.0.1:{port}/mock/v1",
+            "model": "mock-gemini",
+            "kinds": ["chat", "completion"],  # the mock serves both
+        },
     }
 
 

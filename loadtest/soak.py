@@ -149,7 +149,11 @@ def soak_args(fallback_url: str, redis_url: str | None) -> dict:
             },
         ],
         "resilience": {"breaker": {"cooldown_s": 5.0}},
-        "fallback": {"base_url": fallback_url, "model": "mock-gemini"},
+        "fallback": {
+            "base_url": fallback_url,
+            "model": "mock-gemini",
+            "kinds": ["chat", "completion"],  # the mock serves both
+        },
     }
 
 

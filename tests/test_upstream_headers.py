@@ -63,7 +63,9 @@ REQUEST_ID = "req-upstream-headers-1"
 @asynccontextmanager
 async def failing_over(upstream: httpx.AsyncBaseTransport) -> AsyncIterator[httpx.AsyncClient]:
     """A client of a gateway whose primary pool fails every request: the fallback serves."""
-    gateway = build_local_gateway(load_config(forge_args()), fallback_transport=upstream)
+    args = forge_args()
+    args["fallback"]["kinds"] = ["chat", "completion"]  # the mock serves both
+    gateway = build_local_gateway(load_config(args), fallback_transport=upstream)
     async with gateway.lifespan():
         fail_primary(gateway)
         transport = httpx.ASGITransport(gateway.asgi_app())

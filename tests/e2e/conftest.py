@@ -192,6 +192,7 @@ def forge_args(port: int, redis_url: str | None) -> dict:
             "base_url": f"http://127.0.0.1:{port}/mock/v1",
             "model": "mock-gemini",
             "api_key_env": "FORGE_TEST_FALLBACK_KEY",
+            "kinds": ["chat", "completion"],  # as configs/local.yaml's mock
         },
     }
 

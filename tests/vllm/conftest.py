@@ -92,7 +92,11 @@ def forge_url(tiny_model, metrics_port):
                 },
             }
         ],
-        "fallback": {"base_url": f"http://127.0.0.1:{port}/mock/v1", "model": "mock-gemini"},
+        "fallback": {
+            "base_url": f"http://127.0.0.1:{port}/mock/v1",
+            "model": "mock-gemini",
+            "kinds": ["chat", "completion"],  # the mock serves both
+        },
     }
     serve.run(build_app(args), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
