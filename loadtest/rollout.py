@@ -6,8 +6,10 @@ clients through :8000, then ``serve deploy`` of changed copies, one per phase, w
 
 - **tenant**: the gateway's ``user_config`` raises beta's rpm and adds a tenant (live);
 - **refused**: a ``user_config`` with a bad field (refused; the running configuration stays);
-- **pool**: one engine setting of the primary pool (the application's ``args``);
-- **gateway**: one gateway setting (``args``).
+- **pool-options**: the primary pool's Ray actor options, in its ``deployments`` entry of its
+  application (a deployment option: Serve rolls that deployment alone);
+- **pool**: one engine setting of the primary pool (its own application's ``args``);
+- **gateway**: one gateway setting (the gateway application's ``args``).
 
 Per phase: the requests started in it, completed, truncated (200 then no end), errors, served
 by the fallback; how long the rollout took (``serve deploy`` until no replica is starting or
@@ -15,11 +17,13 @@ stopping, and the change is served); and which replicas were replaced (ids and P
 dashboard's Serve API).
 
     python -m loadtest.rollout                  # docs/benchmarks.md's table, ~4 minutes
-    python -m loadtest.rollout --phases tenant refused pool --check   # CI (.ci/run)
+    python -m loadtest.rollout --phases tenant refused pool-options pool --check   # CI
 
 ``--check`` exits 1 unless: a live change replaced no replica, lost no request and served its
-new tenant; a refused change kept the running configuration and named the bad field; and no
-phase truncated a stream or answered with an error.
+new tenant; a refused change kept the running configuration and named the bad field; a pool's
+deployment options replaced that pool's replicas and nothing else; a pool's engine setting
+replaced that pool's application and nothing else; and no phase truncated a stream or answered
+with an error.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ from serve_app.live_config import gateway_user_config
 
 DASHBOARD = "http://127.0.0.1:8265"
 GAMMA_KEY = "sk-drill-gamma-local-only"  # the tenant the tenant phase adds
-PHASES = ("tenant", "refused", "pool", "gateway")
+PHASES = ("tenant", "refused", "pool-options", "pool", "gateway")
+POOL = "pool-primary"  # the deployment the pool phases change
+POOL_APP = "forge-pool-primary"  # the application it runs in (configs/local.yaml)
 SETTLE_S = 5.0  # traffic after a rollout, still counted in its phase
 REQUEST_TIMEOUT_S = 120.0
 
@@ -82,14 +88,22 @@ def variant(base: dict, phase: str) -> dict:
     """The serve config of a phase: the previous one with its change."""
     config = copy.deepcopy(base)
     (app,) = [a for a in config["applications"] if a["name"] == "forge"]
+    (pool_app,) = [a for a in config["applications"] if a["name"] == POOL_APP]
     if phase == "tenant":
         beta = next(t for t in _tenants(app) if t["name"] == "beta")
         beta["limits"]["rpm"] = 600
         _tenants(app).append({"name": "gamma", "key_hashes": [hash_key(GAMMA_KEY)]})
     elif phase == "refused":
         _tenants(app)[0]["limits"]["rpm"] = -1
+    elif phase == "pool-options":
+        deployments = pool_app.setdefault("deployments", [])
+        entry = next((d for d in deployments if d["name"] == POOL), None)
+        if entry is None:
+            entry = {"name": POOL}
+            deployments.append(entry)
+        entry["ray_actor_options"] = {"num_cpus": 0.01}
     elif phase == "pool":
-        engine = app["args"]["pools"][0]["engine"]
+        engine = pool_app["args"]["pool"]["engine"]
         engine["decode_base_s"] = round(engine["decode_base_s"] + 0.001, 4)
     elif phase == "gateway":
         app["args"]["gateway"]["max_body_bytes"] += 1024
@@ -124,20 +138,29 @@ class Cluster:
         return time.perf_counter() - started
 
     def replicas(self) -> dict[str, dict[str, tuple[int, str]]]:
-        """Deployment → replica id → (PID, state), for the forge application."""
+        """Deployment → replica id → (PID, state), for Forge's applications (the gateway's and
+        each pool's); a pool application's ingress is ``<app>/ingress``."""
         details = httpx.get(
             f"{DASHBOARD}/api/serve/applications/", headers=self.headers, timeout=10
         ).json()
-        app = details["applications"]["forge"]
-        return {
-            name: {r["replica_id"]: (r.get("pid"), r["state"]) for r in d.get("replicas", [])}
-            for name, d in app["deployments"].items()
-        } | {"_status": {"app": (0, app["status"])}}
+        found: dict[str, dict[str, tuple[int, str]]] = {"_status": {}}
+        for app_name, app in details["applications"].items():
+            if app_name != "forge" and not app_name.startswith("forge-pool-"):
+                continue
+            found["_status"][app_name] = (0, app["status"])
+            for name, d in app["deployments"].items():
+                key = (
+                    name
+                    if app_name == "forge" or name.startswith("pool-")
+                    else f"{app_name}/{name}"
+                )
+                found[key] = {r["replica_id"]: (r.get("pid"), r["state"]) for r in d["replicas"]}
+        return found
 
 
 def settled(replicas: dict) -> bool:
-    """The app is running and no replica is starting or stopping (a gateway drains ~30 s)."""
-    if replicas["_status"]["app"][1] != "RUNNING":
+    """The apps are running and no replica is starting or stopping (a gateway drains ~30 s)."""
+    if not replicas["_status"] or any(s != "RUNNING" for _, s in replicas["_status"].values()):
         return False
     return all(
         state == "RUNNING"
@@ -294,6 +317,10 @@ def problems(rows: list[dict]) -> list[str]:
             found.append(f"{name}: {row['truncated']} truncated, {row['errors']} errors")
         if name in ("tenant", "refused") and row.get("replaced"):
             found.append(f"{name}: replicas replaced {row['replaced']} by a live change")
+        if name == "pool-options" and set(row.get("replaced", {})) != {POOL}:
+            found.append(f"pool-options: replaced {row.get('replaced')}, not {POOL} alone")
+        if name == "pool" and set(row.get("replaced", {})) != {POOL, f"{POOL_APP}/ingress"}:
+            found.append(f"pool: replaced {row.get('replaced')}, not {POOL_APP}'s alone")
         if name == "tenant" and "NOT" in row.get("note", ""):
             found.append(f"tenant: {row['note']}")
         if name == "refused" and "False" in row.get("note", ""):

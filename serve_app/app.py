@@ -1,8 +1,10 @@
 """App builders: the ``import_path`` targets of Forge's Ray Serve config files.
 
 ``build_app`` validates the config's ``args`` and wires the graph with handles: one replica
-deployment per primary pool, and the gateway ingress that holds their handles and the fallback
-client. ``serve run configs/local.yaml`` and a KubeRay ``RayService`` both go through here.
+deployment per pool that runs in this application, a scheduler per admitted pool, the breaker
+board, and the gateway ingress that holds their handles and the fallback client. A pool with
+``app`` set runs in an application of its own, built by ``build_pool``; the gateway finds it
+there by name. ``serve run configs/local.yaml`` and a KubeRay ``RayService`` both go through here.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.config import PoolConfig, load_config
+from serve_app.bridge import pool_deployment_name
+from serve_app.config import PoolConfig, TracingConfig, load_config, load_pool_app_config
 from serve_app.ingress import GatewayIngress
+from serve_app.pool_app import PoolApplication
 from serve_app.replica import Replica
 from serve_app.resilience.board import BreakerBoardDeployment
 from serve_app.resilience.settings import breaker_settings
@@ -25,10 +29,9 @@ from serve_app.scheduler_deployment import SchedulerDeployment
 def build_app(args: dict[str, Any]) -> Application:
     config = load_config(args)
     pools = {
-        pool.name: serve.deployment(Replica)
-        .options(name=f"pool-{pool.name}", **_replica_options(pool))
-        .bind(pool.model_dump(), config.tracing.model_dump())
+        pool.name: _pool_deployment(pool, config.tracing)
         for pool in config.pools
+        if pool.app is None  # the others run in their own applications (build_pool)
     }
     schedulers = {
         pool.name: serve.deployment(SchedulerDeployment)
@@ -61,7 +64,34 @@ def build_app(args: dict[str, Any]) -> Application:
         **config.gateway.deployment,
     }
     gateway = serve.deployment(GatewayIngress).options(name="gateway", **gateway_options)
-    return gateway.bind(config.model_dump(), pools, schedulers, board)
+    # What the args set, not every default: a pool that runs in its own application must not
+    # come back with an engine (PoolConfig refuses that; live changes revalidate this).
+    return gateway.bind(config.model_dump(exclude_unset=True), pools, schedulers, board)
+
+
+POOL_APP_INGRESS = "ingress"  # a pool application's ingress (serve_app/pool_app.py says why)
+
+
+def build_pool(args: dict[str, Any]) -> Application:
+    """A pool as an application of its own (args ``{pool: {...}, tracing: {...}}``): a change to
+    these args replaces this pool's replicas, drained, and nothing else. The gateway's
+    application lists the pool with ``app:`` naming this one."""
+    config = load_pool_app_config(args)
+    ingress = serve.deployment(PoolApplication).options(
+        name=POOL_APP_INGRESS,
+        num_replicas=1,
+        max_ongoing_requests=16,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(config.pool.model_dump(), _pool_deployment(config.pool, config.tracing))
+
+
+def _pool_deployment(pool: PoolConfig, tracing: TracingConfig) -> Application:
+    return (
+        serve.deployment(Replica)
+        .options(name=pool_deployment_name(pool.name), **_replica_options(pool))
+        .bind(pool.model_dump(), tracing.model_dump())
+    )
 
 
 def _replica_options(pool: PoolConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ What crosses it, per pool:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,16 @@ if TYPE_CHECKING:
     from serve_app.resilience.client import BreakerClient
 
 _MAX_ROUTED = 10_000  # entries of requests nobody collected (cancelled callers): forget them
+_DEPLOYMENT_PREFIX = "pool-"
+
+
+def pool_deployment_name(pool: str) -> str:
+    """The Serve deployment of a pool, in whichever application it runs."""
+    return _DEPLOYMENT_PREFIX + pool
+
+
+def pool_of_deployment(deployment: str) -> str:
+    return deployment.removeprefix(_DEPLOYMENT_PREFIX)
 
 
 @dataclass(slots=True)
@@ -42,6 +53,8 @@ class PoolBridge:
     pinned: dict[str, str] = field(default_factory=dict)
     # The gateway's view of the breakers; None until a gateway in this process installs it.
     breakers: BreakerClient | None = None
+    # The router's reading of what the replicas run (their engine identity, when they agree).
+    engine_identity: Callable[[], str | None] | None = None
 
     def note_routed(self, request_id: str, replica_id: str, probe: bool) -> None:
         if len(self.routed) >= _MAX_ROUTED:
@@ -80,6 +93,10 @@ class BridgedPool:
 
     def take_routed(self, request_id: str) -> tuple[str, bool] | None:
         return self.bridge.take_routed(request_id)
+
+    def engine_identity(self) -> str | None:
+        reported = self.bridge.engine_identity
+        return None if reported is None else reported()
 
 
 _bridges: dict[tuple[str, str], PoolBridge] = {}

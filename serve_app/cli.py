@@ -56,7 +56,7 @@ def _config_check(args: argparse.Namespace) -> int:
     import yaml
 
     from serve_app.config import ConfigError
-    from serve_app.live_config import application_config, live_digest
+    from serve_app.live_config import live_digest, serve_config_forge
 
     try:
         with open(args.file) as f:
@@ -69,14 +69,16 @@ def _config_check(args: argparse.Namespace) -> int:
         print(f"forge config check: no application named {args.app!r}", file=sys.stderr)
         return 2
     try:
-        config = application_config(apps[0])
+        config = serve_config_forge(document, args.app)  # and each pool's own application
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 1
     tenants = ", ".join(t.name for t in config.tenants)
+    apart = [p["app"] for p in apps[0].get("args", {}).get("pools", []) if p.get("app")]
     print(
-        f"ok: {len(config.tenants)} tenant(s) ({tenants}), {len(config.pools)} pool(s); "
-        f"live configuration {live_digest(config)}"
+        f"ok: {len(config.tenants)} tenant(s) ({tenants}), {len(config.pools)} pool(s)"
+        + (f" ({len(apart)} in applications of their own: {', '.join(apart)})" if apart else "")
+        + f"; live configuration {live_digest(config)}"
     )
     return 0
 

@@ -290,6 +290,25 @@ class PoolConfig(_Strict):
     # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
     # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
+    # The Serve application the pool runs in, when not the gateway's own (``serve_app.app:
+    # build_pool``, its args ``{pool: {...}}``). Serve versions an application's deployments by
+    # its whole args, so a pool in the gateway's application is replaced by any change there,
+    # and replaces the gateway when it changes; in its own application, a change to its engine
+    # or deployment rolls that pool alone. The gateway finds ``pool-<name>`` there by name.
+    app: Annotated[str, Field(pattern=_NAME)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _runs_elsewhere(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("app") is not None:
+            theirs = sorted(POOL_APP_FIELDS & set(data))
+            if theirs:
+                raise ValueError(
+                    f"pool {data.get('name', 'primary')}: {', '.join(theirs)}: set in "
+                    f"application {data['app']!r}'s args (the pool runs there), not in the "
+                    "gateway's"
+                )
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -313,6 +332,11 @@ class PoolConfig(_Strict):
             revision = engine.engine_args.get("revision") or ""
             return f"vllm:{engine.model}@{revision}:{engine.engine_args.get('quantization') or ''}"
         return "simulated:" + engine.model_dump_json()
+
+
+# What a pool in its own application sets there (``PoolConfig.app``); the gateway's entry keeps
+# what the gateway uses: model, task, timeouts, fallback, admission.
+POOL_APP_FIELDS = frozenset({"engine", "routing", "deployment"})
 
 
 # The chat parameters Gemini's OpenAI-compatible endpoint documents (Vertex AI, "Using OpenAI
@@ -532,6 +556,7 @@ class ForgeConfig(_Strict):
             ("tenants", [t.name for t in self.tenants]),
             ("pools", [p.name for p in self.pools]),
             ("pools.model", [p.model for p in self.pools]),
+            ("pools.app", [p.app for p in self.pools if p.app is not None]),
         ):
             dupes = sorted(n for n, count in Counter(names).items() if count > 1)
             if dupes:
@@ -558,6 +583,19 @@ class ForgeConfig(_Strict):
         return self
 
 
+class PoolAppConfig(_Strict):
+    """A pool's own application's args (``serve_app.app:build_pool``)."""
+
+    pool: PoolConfig
+    tracing: TracingConfig = TracingConfig()
+
+    @model_validator(mode="after")
+    def _here(self) -> PoolAppConfig:
+        if self.pool.app is not None:
+            raise ValueError("pool.app: this application is where the pool runs; drop it")
+        return self
+
+
 class ConfigError(ValueError):
     """The config file is wrong; the message names every bad field."""
 
@@ -566,8 +604,18 @@ def load_config(args: dict[str, Any] | None) -> ForgeConfig:
     try:
         return ForgeConfig.model_validate(args or {})
     except ValidationError as exc:
-        lines = [
-            f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
-            for e in exc.errors(include_url=False)
-        ]
-        raise ConfigError("invalid Forge config:\n" + "\n".join(lines)) from None
+        raise ConfigError("invalid Forge config:\n" + _lines(exc)) from None
+
+
+def load_pool_app_config(args: dict[str, Any] | None) -> PoolAppConfig:
+    try:
+        return PoolAppConfig.model_validate(args or {})
+    except ValidationError as exc:
+        raise ConfigError("invalid Forge pool application config:\n" + _lines(exc)) from None
+
+
+def _lines(exc: ValidationError) -> str:
+    return "\n".join(
+        f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
+        for e in exc.errors(include_url=False)
+    )

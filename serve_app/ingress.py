@@ -21,7 +21,7 @@ from serve_app.auth import KeyRing
 from serve_app.backends.base import Backend
 from serve_app.backends.fallback import FallbackBackend
 from serve_app.backends.pool import PoolBackend, pool_timeouts
-from serve_app.bridge import pool_bridge
+from serve_app.bridge import pool_bridge, pool_deployment_name
 from serve_app.config import ForgeConfig
 from serve_app.gateway import Gateway
 from serve_app.metrics import ForgeMetrics
@@ -34,6 +34,15 @@ from serve_app.store import build_store
 from serve_app.tracing import tracer_for
 
 logger = logging.getLogger("ray.serve")
+
+
+def _pool_handle(pool: str, app: str) -> DeploymentHandle:
+    """A pool in an application of its own, by name. Not checked against the controller: the
+    applications of one Serve config deploy concurrently, and until the pool's replicas exist
+    its requests wait (or fail over) as they do for a pool scaled to zero."""
+    return serve.get_deployment_handle(
+        pool_deployment_name(pool), app_name=app, _check_exists=False
+    )
 
 
 @serve.ingress()
@@ -62,11 +71,11 @@ class GatewayIngress(Gateway):
         app = serve.get_replica_context().app_name
         backends: dict[str, Backend] = {}
         for pool in forge.pools:
-            bridge = pool_bridge(app, pool.name)
+            # The router is keyed by the application the pool's deployment is in.
+            bridge = pool_bridge(pool.app or app, pool.name)
             bridge.breakers = breakers  # what the pool's router reads in this process
-            backends[pool.name] = PoolBackend(
-                pool.name, pools[pool.name], pool_timeouts(pool), bridge
-            )
+            handle = pools[pool.name] if pool.app is None else _pool_handle(pool.name, pool.app)
+            backends[pool.name] = PoolBackend(pool.name, handle, pool_timeouts(pool), bridge)
         if forge.fallback is not None:
             backends["fallback"] = FallbackBackend(forge.fallback)  # a missing key stops start-up
         usage_store = store

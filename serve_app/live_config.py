@@ -1,7 +1,8 @@
 """The part of Forge's configuration that changes without restarting anything.
 
 Ray Serve versions every deployment of an application by the application's ``args``: change
-one field there and every deployment (gateway, schedulers, breaker board, pools) is replaced.
+one field there and every deployment of it (gateway, schedulers, breaker board, and any pool
+that runs in it rather than in its own application: ``PoolConfig.app``) is replaced.
 A deployment's ``user_config`` is different: Serve hands a changed one to the running replicas
 (``reconfigure``) and replaces none. So what operators change daily lives in the gateway
 deployment's ``user_config`` in the Serve config file::
@@ -32,6 +33,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from serve_app.config import (
+    POOL_APP_FIELDS,
     AdminConfig,
     AdmissionConfig,
     ConfigError,
@@ -40,6 +42,7 @@ from serve_app.config import (
     TenantConfig,
     _Strict,
     load_config,
+    load_pool_app_config,
 )
 from serve_app.settings_digest import settings_digest
 
@@ -78,17 +81,18 @@ def apply_live(base: ForgeConfig, user_config: Mapping[str, Any] | None) -> Forg
         live = LiveConfig.model_validate(dict(user_config))
     except ValidationError as exc:
         raise _config_error("invalid live config (the gateway's user_config)", exc) from None
-    data, given = base.model_dump(), live.model_dump(exclude_unset=True)
+    # What the args gave (a pool that runs in its own application lists no engine here).
+    data, given = base.model_dump(exclude_unset=True), live.model_dump(exclude_unset=True)
     for key in ("tenants", "admin", "resilience"):
         if key in given:
             data[key] = given[key]
     problems = []
-    pools = {pool["name"]: pool for pool in data["pools"]}
+    pools = {model.name: pool for model, pool in zip(base.pools, data["pools"], strict=True)}
     for name, admission in (live.admission or {}).items():
         pool = pools.get(name)
         if pool is None:
             problems.append(f"  admission.{name}: no pool is named {name!r} ({sorted(pools)})")
-        elif pool["admission"] is None:
+        elif pool.get("admission") is None:
             problems.append(
                 f"  admission.{name}: pool {name!r} has no admission in the args (no scheduler "
                 "runs for it); add the section there, which redeploys the application"
@@ -134,3 +138,45 @@ def application_config(application: Mapping[str, Any]) -> ForgeConfig:
     """The configuration a gateway of this Serve application serves: its ``args`` with its
     gateway's ``user_config`` over them (what ``forge config check`` and the tests read)."""
     return apply_live(load_config(application.get("args") or {}), gateway_user_config(application))
+
+
+def serve_config_forge(serve_config: Mapping[str, Any], app: str = "forge") -> ForgeConfig:
+    """The whole of Forge that a Serve config file describes, as one configuration: the
+    gateway application ``app`` as it serves (``application_config``), with each pool that runs
+    in an application of its own inlined from there (its engine, routing and deployment; the
+    gateway's entry keeps the rest). What the in-process runner and the tests build from, and
+    the cross-application check: a pool's application exists, builds a pool, and serves the
+    model the gateway lists under the same name and task."""
+    applications = {a.get("name"): a for a in serve_config.get("applications") or []}
+    if app not in applications:
+        raise ConfigError(f"no application named {app!r} in the Serve config")
+    config = application_config(applications[app])
+    problems, inlined = [], []
+    for i, pool in enumerate(config.pools):
+        if pool.app is None:
+            inlined.append(pool)
+            continue
+        where = f"  pools.{i}.app: application {pool.app!r}"
+        own = applications.get(pool.app)
+        if own is None:
+            problems.append(f"{where} is not in the Serve config")
+            continue
+        if not str(own.get("import_path", "")).endswith(":build_pool"):
+            problems.append(f"{where} is not built by serve_app.app:build_pool")
+            continue
+        try:
+            theirs = load_pool_app_config(own.get("args")).pool
+        except ConfigError as err:
+            problems.append(f"{where}: {err}")
+            continue
+        for field in ("name", "model", "task"):
+            if getattr(theirs, field) != getattr(pool, field):
+                problems.append(
+                    f"{where} serves {field} {getattr(theirs, field)!r}, the gateway lists "
+                    f"{getattr(pool, field)!r}"
+                )
+        update = {field: getattr(theirs, field) for field in POOL_APP_FIELDS}
+        inlined.append(pool.model_copy(update={**update, "app": None}))
+    if problems:
+        raise ConfigError("invalid Serve config:\n" + "\n".join(problems))
+    return config.model_copy(update={"pools": inlined})

@@ -31,7 +31,7 @@ from serve_app.backends.pool import pool_timeouts
 from serve_app.bridge import PoolBridge
 from serve_app.config import ForgeConfig, PoolConfig
 from serve_app.gateway import Gateway
-from serve_app.live_config import application_config
+from serve_app.live_config import serve_config_forge
 from serve_app.metrics import ForgeMetrics
 from serve_app.replica import Replica
 from serve_app.resilience.board import BreakerBoard
@@ -117,13 +117,14 @@ def local_replicas(pool: PoolConfig, tracer: Tracer | None = None) -> list[Repli
 
 
 def _forge_config(serve_config: Mapping, app: str) -> ForgeConfig:
-    """The app's args with its gateway's user_config over them, as Serve would serve them."""
+    """The app's args with its gateway's user_config over them, as Serve would serve them, and
+    its pools' own applications inlined (all in this one process)."""
     for application in serve_config.get("applications", []):
         if application.get("name") == app:
             env = (application.get("runtime_env") or {}).get("env_vars") or {}
             for name, value in env.items():
                 os.environ.setdefault(name, str(value))
-            return application_config(application)
+            return serve_config_forge(serve_config, app)
     raise SystemExit(f"no application named {app!r} in the config")
 
 

@@ -59,6 +59,7 @@ class Replica:
 
     def __init__(self, pool: dict, tracing: dict | None = None) -> None:
         self.pool = PoolConfig.model_validate(pool)
+        self.engine_identity = self.pool.engine_identity()
         # The generation's span, a child of the gateway's dispatch span (when tracing is on).
         self.tracer = tracer_for(TracingConfig.model_validate(tracing or {}), "forge-replica")
         self.faults = FaultInjector()
@@ -243,6 +244,8 @@ class Replica:
         self._export(stats)
         if self.kv_events is not None:
             stats["kv_events"] = self.kv_events.describe()
+        # Cache keys: a gateway whose pool runs in another application learns it here.
+        stats["engine_identity"] = self.engine_identity
         return stats
 
     def _export(self, stats: dict) -> None:

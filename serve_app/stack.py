@@ -20,7 +20,7 @@ tracing on, a root span opens before all of them, ``stages/trace.py``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
@@ -28,7 +28,7 @@ from opentelemetry.trace import Tracer
 from serve_app.auth import KeyRing
 from serve_app.auth_throttle import FailedAuthThrottle
 from serve_app.backends.base import Backend
-from serve_app.config import AdmissionConfig, ForgeConfig
+from serve_app.config import AdmissionConfig, ForgeConfig, PoolConfig
 from serve_app.metering import UsageLedger
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
@@ -140,11 +140,19 @@ def cache_stage(config: ForgeConfig, parts: Collaborators) -> list[Stage]:
     if not config.cache.enabled:
         return []
     pools = {
-        p.model: CachedPool(p.name, p.engine_identity())
+        p.model: CachedPool(p.name, _engine_identity(p, parts.backends[p.name]))
         for p in config.pools
         if p.task == "generate"
     }
     return [CacheStage(parts.store, parts.metrics, config.cache, pools)]
+
+
+def _engine_identity(pool: PoolConfig, backend: Backend) -> Callable[[], str | None]:
+    if pool.app is None:  # the gateway's own application: the config is what runs
+        identity = pool.engine_identity()
+        return lambda: identity
+    control = backend.pool
+    return control.engine_identity if control is not None else lambda: None
 
 
 def warm_slots(client: SchedulerClient, admission: AdmissionConfig) -> WarmSlots:

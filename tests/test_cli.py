@@ -189,3 +189,25 @@ def test_config_check_passes_the_shipped_configs_and_names_a_bad_live_field(tmp_
     assert cli.main(["config", "check", str(bad)]) == 1
     assert "tenants.1.limits.rpm" in capsys.readouterr().err
     assert cli.main(["config", "check", str(bad), "--app", "nope"]) == 2
+
+
+def test_config_check_holds_the_gateway_and_its_pools_applications_to_each_other(tmp_path, capsys):
+    import yaml
+
+    document = yaml.safe_load(open("configs/local.yaml"))
+    apps = {a["name"]: a for a in document["applications"]}
+    apps["forge-pool-primary"]["args"]["pool"]["model"] = "another-model"
+    del apps["forge-pool-embed"]
+    document["applications"] = list(apps.values())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "pools.0.app: application 'forge-pool-primary' serves model 'another-model'" in err
+    assert "pools.1.app: application 'forge-pool-embed' is not in the Serve config" in err
+    # An engine setting in the gateway's entry of a pool that runs elsewhere is refused.
+    document = yaml.safe_load(open("configs/local.yaml"))
+    document["applications"][0]["args"]["pools"][0]["engine"] = {"kind": "simulated"}  # a default
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 1
+    assert "engine: set in application 'forge-pool-primary'" in capsys.readouterr().err

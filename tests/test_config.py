@@ -10,7 +10,7 @@ import yaml
 
 from serve_app.auth import KeyRing, hash_key
 from serve_app.config import ConfigError, ForgeConfig, load_config
-from serve_app.live_config import application_config, gateway_user_config
+from serve_app.live_config import gateway_user_config, serve_config_forge
 from serve_app.store import GuardedStore, MemoryStore, build_store
 
 LOCAL_YAML = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -27,9 +27,9 @@ def minimal() -> dict:
 
 def local_args() -> dict:
     """configs/local.yaml's Forge config as one document: its args, its gateway's user_config
-    over them (the tenants live there)."""
+    over them (the tenants live there), its pools' own applications inlined."""
     with LOCAL_YAML.open() as f:
-        return application_config(yaml.safe_load(f)["applications"][0]).model_dump()
+        return serve_config_forge(yaml.safe_load(f)).model_dump()
 
 
 def config_error(args: dict) -> str:
@@ -285,3 +285,32 @@ def test_the_routing_options_the_policy_takes_pass():
         "options": {"bound": "tokens", "load_factor": 1.25, "route_blocks": 64},
     }
     assert load_config(args).pools[0].routing.options["bound"] == "tokens"
+
+
+def test_a_pool_in_its_own_application_keeps_only_the_gateways_part_here():
+    from serve_app.config import load_pool_app_config
+
+    args = minimal()
+    args["pools"][0] |= {"app": "forge-pool-primary", "admission": {"max_inflight": 4}}
+    assert load_config(args).pools[0].app == "forge-pool-primary"
+    for field in ("engine", "routing", "deployment"):
+        wrong = copy.deepcopy(args)
+        wrong["pools"][0][field] = {}
+        assert f"{field}: set in application 'forge-pool-primary'" in config_error(wrong)
+    twice = copy.deepcopy(args)
+    twice["pools"].append({"name": "second", "model": "m2", "app": "forge-pool-primary"})
+    assert "pools.app: duplicate names ['forge-pool-primary']" in config_error(twice)
+    # The pool's own application: the pool runs there, so it names no other application.
+    assert load_pool_app_config({"pool": {"model": "m1"}}).pool.model == "m1"
+    with pytest.raises(ConfigError, match=r"pool\.app: this application is where the pool runs"):
+        load_pool_app_config({"pool": {"model": "m1", "app": "elsewhere"}})
+
+
+def test_the_shipped_configs_run_every_pool_in_an_application_of_its_own():
+    """So a pool's engine change rolls that pool alone (docs/architecture.md says why)."""
+    for path in (LOCAL_YAML, GKE_YAML):
+        document = yaml.safe_load(path.read_text())
+        gateway = next(a for a in document["applications"] if a["name"] == "forge")
+        assert all(pool.get("app") for pool in gateway["args"]["pools"]), path.name
+        config = serve_config_forge(document)
+        assert all(pool.app is None and pool.engine.kind for pool in config.pools)

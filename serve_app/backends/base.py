@@ -81,6 +81,11 @@ class PoolControl(Protocol):
         replica id → the spec it now has, or None if it could not be reached."""
         ...
 
+    def engine_identity(self) -> str | None:
+        """What the pool's replicas say they run (``PoolConfig.engine_identity``), when they
+        agree; None before any has said or while they differ (a roll under way)."""
+        ...
+
     async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
         """The engine's ``usage`` of a stream the gateway abandoned on ``replica_id`` (the
         client left, or it failed mid-way), or None if the replica cannot tell in time."""

@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from serve_app import tokenizer
 from serve_app.block_hashes import prefix_block_hashes
-from serve_app.bridge import pool_bridge, replica_backend
+from serve_app.bridge import pool_bridge, pool_of_deployment, replica_backend
 from serve_app.metrics import counter
 from serve_app.protocol import prompt_text
 from serve_app.resilience.breaker import Admit, State
@@ -65,10 +65,12 @@ class ForgeRequestRouter(RequestRouter):
         self._routes: dict[str, RouteRequest] = {}
         pool = self._deployment_id.name
         # The pool as the gateway names it (deployment "pool-primary" → "primary").
-        self.pool = pool.removeprefix("pool-")
+        self.pool = pool_of_deployment(pool)
         # Where each replica's blocks are, from its KV events (KV-aware policies only).
         self.index = KvIndex(self.pool) if policy in KV_EVENT_POLICIES else None
         self.bridge = pool_bridge(self._deployment_id.app_name, self.pool)
+        self.bridge.engine_identity = self.engine_identity
+        self._agreed_identity: str | None = None
         self._probes: dict[str, str] = {}  # request id → the open replica it is the probe of
         self._routed = counter(
             "forge_routed_total",
@@ -94,6 +96,18 @@ class ForgeRequestRouter(RequestRouter):
             for replica in replicas:
                 self._watch(replica)
             self._sync_waited &= self.bridge.replica_ids
+
+    def engine_identity(self) -> str | None:
+        """What the pool's replicas run, from their routing stats: the one identity they agree
+        on (kept while the pool is scaled to zero), None while they differ (a roll under way:
+        the cache must not key one engine's answers by the other's) or before any has said."""
+        said = {(r.routing_stats or {}).get("engine_identity") for r in self.curr_replicas.values()}
+        said.discard(None)
+        if len(said) > 1:
+            return None
+        if said:
+            (self._agreed_identity,) = said
+        return self._agreed_identity
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

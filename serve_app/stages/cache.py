@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -34,7 +34,10 @@ class CachedPool:
     """What a model's answers depend on besides the request, and whose answers may be kept."""
 
     backend: str  # the pool's backend name: the only one whose answers are stored
-    engine_identity: str
+    # What the pool runs, now: its config's (a pool in the gateway's application), or what its
+    # replicas report (a pool in an application of its own, which may roll under the gateway);
+    # None while unknown or changing, and the request bypasses the cache.
+    engine_identity: Callable[[], str | None]
 
 
 class CacheStage:
@@ -60,10 +63,11 @@ class CacheStage:
             if pool is not None
             else "model"  # served by the fallback alone: nothing of it is ever kept
         )
-        if reason is not None:
+        identity = pool.engine_identity() if reason is None else None
+        if identity is None:  # not cacheable, or what the pool runs is not known right now
             return await self._bypass(ctx, call_next, ctx.model_label)
         scope = "shared" if ctx.tenant.cache_scope == "shared" else "tenant:" + ctx.tenant.name
-        key = cache_key(scope, model, pool.engine_identity, ctx.route, ctx.body)
+        key = cache_key(scope, model, identity, ctx.route, ctx.body)
         try:
             raw = await self.store.cache_get(key)
         except StoreError as exc:

@@ -46,6 +46,9 @@ RELEASE = NAMESPACE = "forge"
 KUBE_VERSION = "1.30.0"  # Chart.yaml's kubeVersion floor
 SPOT_NOTICE_S = 30  # GKE: a spot VM gets 30 s between the preemption notice and its end
 FORGE_APP = "forge"
+# The GPU pools, each in its application of its own (configs/gke.yaml): application/deployment.
+POOL_PRIMARY = "forge-pool-primary/pool-primary"
+POOL_EMBED = "forge-pool-embed/pool-embed"
 RAY_CONTAINERS = {"ray-head", "ray-worker"}
 
 VALUES_FILES = {"default": None, "production": CHART / "values-production.yaml"}
@@ -309,15 +312,16 @@ def forge_app(config: dict) -> dict:
 
 
 def check_serve_config(config: dict) -> None:
-    """What KubeRay's dashboard call and Forge's builder do with serveConfigV2: Serve's schema,
+    """What KubeRay's dashboard call and Forge's builders do with serveConfigV2: Serve's schema,
     then Forge's own config model on the app's args with its gateway's user_config over them
-    (what a gateway replica serves). Raises what they raise."""
+    (what a gateway replica serves) and each pool's own application held to the gateway's
+    entry for it. Raises what they raise."""
     from ray.serve.schema import ServeDeploySchema
 
-    from serve_app.live_config import application_config
+    from serve_app.live_config import serve_config_forge
 
     ServeDeploySchema.model_validate(config)
-    application_config(forge_app(config))
+    serve_config_forge(config, FORGE_APP)
 
 
 def gke_config() -> dict:
@@ -454,7 +458,10 @@ def test_an_image_bump_rolls_out_on_one_t4(rendered):
     assert service["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     for app in serve_config["applications"]:
-        for pool in (app.get("args") or {}).get("pools", []):
+        args = app.get("args") or {}
+        pools = args.get("pools", []) + ([args["pool"]] if "pool" in args else [])
+        assert pools or app["name"] not in (FORGE_APP, "forge-pool-primary")
+        for pool in pools:
             deployment = pool.get("deployment", {})
             gpus = deployment.get("ray_actor_options", {}).get("num_gpus", 0)
             autoscaling = deployment.get("autoscaling_config")
@@ -482,10 +489,6 @@ def _deployments(serve_config_text: str) -> tuple[Deployment, ...]:
     from ray.serve._private.build_app import build_app
 
     config = yaml.safe_load(serve_config_text)
-    app = forge_app(config)
-    module, _, attr = app["import_path"].partition(":")
-    builder = getattr(importlib.import_module(module), attr)
-    built = build_app(builder(app["args"]), name=app["name"])
     controller_env = config.get("controller_options", {}).get("runtime_env", {})
     haproxy = controller_env.get("env_vars", {}).get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
     # Serve's floor for an ingress replica in HAProxy's direct-ingress mode (deploy_utils).
@@ -493,17 +496,24 @@ def _deployments(serve_config_text: str) -> tuple[Deployment, ...]:
         constants.RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
         + constants.RAY_SERVE_DIRECT_INGRESS_SHUTDOWN_BUFFER_S
     )
-    overrides = {d["name"]: d for d in app.get("deployments", [])}
     found = []
-    for d in built.deployments:
-        resources = dict(d._replica_config.resource_dict)
-        grace = d._deployment_config.graceful_shutdown_timeout_s
-        override = overrides.get(d.name, {})
-        grace = override.get("graceful_shutdown_timeout_s", grace)
-        assert "ray_actor_options" not in override, "resources overridden in serveConfigV2"
-        if haproxy and d.name == built.ingress_deployment_name:
-            grace = max(grace, floor)
-        found.append(Deployment(d.name, resources, float(grace)))
+    for app in config["applications"]:  # Forge's: the gateway's and each pool's own
+        module, _, attr = app["import_path"].partition(":")
+        if module != "serve_app.app":
+            continue
+        builder = getattr(importlib.import_module(module), attr)
+        built = build_app(builder(app["args"]), name=app["name"])
+        overrides = {d["name"]: d for d in app.get("deployments", [])}
+        for d in built.deployments:
+            resources = dict(d._replica_config.resource_dict)
+            grace = d._deployment_config.graceful_shutdown_timeout_s
+            override = overrides.get(d.name, {})
+            grace = override.get("graceful_shutdown_timeout_s", grace)
+            assert "ray_actor_options" not in override, "resources overridden in serveConfigV2"
+            if haproxy and d.name == built.ingress_deployment_name:
+                grace = max(grace, floor)
+            name = d.name if app["name"] == FORGE_APP else f"{app['name']}/{d.name}"
+            found.append(Deployment(name, resources, float(grace)))
     return tuple(found)
 
 
@@ -553,7 +563,7 @@ def test_gpu_group_advertises_what_the_pools_ask_for(rendered):
     """Every GPU pool (the chat model's and the embedding model's) fits one T4 worker."""
     rayservice = rendered.one("RayService")
     pools = [d for d in deployments(rendered) if d.resources.get("GPU")]
-    assert {p.name for p in pools} == {"pool-primary", "pool-embed"}
+    assert {p.name for p in pools} == {POOL_PRIMARY, POOL_EMBED}
     name = gpu_group(rayservice)["groupName"]
     node = autoscaling_config(rayservice)["available_node_types"][name]
     assert node["min_workers"] == 0
@@ -568,9 +578,10 @@ def test_gpu_group_advertises_what_the_pools_ask_for(rendered):
 def test_every_deployment_has_a_group_to_scale(rendered):
     placed = placements(rendered.one("RayService"), deployments(rendered))
     names = {n: {d.name for d in ds} for n, ds in placed.items()}
-    assert names["headgroup"] == {"scheduler-primary", "breaker-board"}
-    assert names["cpu"] == {"gateway", "scheduler-primary", "breaker-board"}
-    assert names["gpu-t4"] == {"pool-primary", "pool-embed"}
+    anchors = {"forge-pool-primary/ingress", "forge-pool-embed/ingress"}  # serve_app/pool_app.py
+    assert names["headgroup"] == {"scheduler-primary", "breaker-board"} | anchors
+    assert names["cpu"] == {"gateway", "scheduler-primary", "breaker-board"} | anchors
+    assert names["gpu-t4"] == {POOL_PRIMARY, POOL_EMBED}
 
 
 def test_a_gpu_group_without_the_accelerator_resource_cannot_scale_the_pool(renders):

@@ -4,15 +4,20 @@ else, replicas are compared by id and PID, and ``--check`` fails what it should.
 from __future__ import annotations
 
 import yaml
+from ray.serve.schema import ServeDeploySchema
 
 from loadtest import rollout
-from serve_app.live_config import application_config
+from serve_app.live_config import application_config, serve_config_forge
 
 BASE = yaml.safe_load(open(rollout.REPO / rollout.CONFIG))
 
 
-def forge(config: dict) -> dict:
-    return next(a for a in config["applications"] if a["name"] == "forge")
+def forge(config: dict, name: str = "forge") -> dict:
+    return next(a for a in config["applications"] if a["name"] == name)
+
+
+def pool_app(config: dict) -> dict:
+    return forge(config, rollout.POOL_APP)
 
 
 def test_the_tenant_phase_changes_only_the_gateways_user_config():
@@ -24,15 +29,38 @@ def test_the_tenant_phase_changes_only_the_gateways_user_config():
     assert forge(BASE)["deployments"] != forge(changed)["deployments"]
 
 
-def test_the_pool_and_gateway_phases_change_only_the_args():
-    for phase, field in (("pool", "pools"), ("gateway", "gateway")):
-        changed = rollout.variant(BASE, phase)
-        assert forge(changed)["deployments"] == forge(BASE)["deployments"]
-        differs = [
-            k for k in forge(BASE)["args"] if forge(BASE)["args"][k] != forge(changed)["args"][k]
-        ]
-        assert differs == [field]
-        application_config(forge(changed))  # still valid
+def test_the_gateway_phase_changes_only_the_gateways_args():
+    changed = rollout.variant(BASE, "gateway")
+    assert forge(changed)["deployments"] == forge(BASE)["deployments"]
+    differs = [
+        k for k in forge(BASE)["args"] if forge(BASE)["args"][k] != forge(changed)["args"][k]
+    ]
+    assert differs == ["gateway"] and pool_app(changed) == pool_app(BASE)
+    serve_config_forge(changed)  # still valid
+
+
+def test_the_pool_phase_changes_only_the_pools_own_application():
+    changed = rollout.variant(BASE, "pool")
+    assert forge(changed) == forge(BASE)
+    before, after = pool_app(BASE)["args"]["pool"], pool_app(changed)["args"]["pool"]
+    assert [k for k in before if before[k] != after[k]] == ["engine"]
+    assert serve_config_forge(changed).pools[0].engine != serve_config_forge(BASE).pools[0].engine
+
+
+def test_the_pool_options_phase_changes_only_the_pools_deployment_entry():
+    changed = rollout.variant(BASE, "pool-options")
+    assert forge(changed) == forge(BASE)
+    assert pool_app(changed)["args"] == pool_app(BASE)["args"]
+    (entry,) = pool_app(changed)["deployments"]
+    assert entry == {"name": "pool-primary", "ray_actor_options": {"num_cpus": 0.01}}
+    ServeDeploySchema.model_validate(changed)
+
+
+def test_check_fails_a_pool_options_change_that_replaced_more_than_the_pool():
+    row = {"phase": "pool-options", "truncated": 0, "errors": 0, "note": ""}
+    assert rollout.problems([{**row, "replaced": {"pool-primary": 2}}]) == []
+    assert rollout.problems([{**row, "replaced": {"pool-primary": 2, "gateway": 1}}])
+    assert rollout.problems([{**row, "replaced": {}}])
 
 
 def test_replicas_are_the_same_only_with_the_same_id_and_pid():

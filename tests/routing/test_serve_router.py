@@ -156,6 +156,27 @@ async def test_update_replicas_publishes_the_replica_ids_on_the_pools_bridge():
     assert pool_bridge("other-app", POOL).replica_ids is None
 
 
+async def test_the_engine_the_replicas_run_reaches_the_gateway_when_they_agree():
+    """A pool in its own application may roll under the gateway: the cache keys by what the
+    replicas report, nothing while two engines serve, and the last agreed one at zero."""
+    from serve_app.bridge import BridgedPool
+
+    router = make_router()
+    pool = BridgedPool(POOL, pool_bridge(APP, POOL))
+    a = Replica("a")
+    router.update_replicas([a])
+    assert pool.engine_identity() is None  # not said yet
+    a.routing_stats = {"engine_identity": "engine-1"}
+    assert pool.engine_identity() == "engine-1"
+    b = Replica("b", {"engine_identity": "engine-2"})  # the roll: a new replica, a new engine
+    router.update_replicas([a, b])
+    assert pool.engine_identity() is None
+    router.update_replicas([b, Replica("c")])  # the old one gone; c has not said yet
+    assert pool.engine_identity() == "engine-2"
+    router.update_replicas([])  # scaled to zero: the pool still runs what it last ran
+    assert pool.engine_identity() == "engine-2"
+
+
 # -- breakers and retries --------------------------------------------------------------------
 
 

@@ -469,3 +469,56 @@ async def test_a_tenant_out_of_requests_is_refused_even_a_cached_answer(rig: Rig
     assert rig.metrics.cache_hits.calls == [{"tenant": "capped"}]
     with pytest.raises(openai.RateLimitError):
         await chat(rig["capped"], stream=True)
+
+
+async def test_while_the_pools_engine_is_unknown_or_changing_nothing_is_kept_or_replayed():
+    """A pool in its own application reports what it runs; until it has, and while replicas of
+    two engines serve (a roll), requests bypass the cache; then it keys by the new engine."""
+    from starlette.responses import JSONResponse
+
+    from serve_app.config import CacheConfig, TenantConfig
+    from serve_app.metrics import ForgeMetrics
+    from serve_app.stages.cache import CachedPool, CacheStage
+    from serve_app.store import MemoryStore
+    from tests.doubles import MODEL, make_ctx
+
+    identity: list[str | None] = [None]
+    stage = CacheStage(
+        MemoryStore(),
+        ForgeMetrics(),
+        CacheConfig(),
+        {MODEL: CachedPool("primary", lambda: identity[0])},
+    )
+    served = 0
+
+    async def engine(ctx) -> JSONResponse:
+        nonlocal served
+        served += 1
+        ctx.backend, ctx.usage = "primary", {"prompt_tokens": 1, "completion_tokens": 1}
+        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}}
+        ctx.completion = {
+            "id": "x",
+            "object": "chat.completion",
+            "model": MODEL,
+            "choices": [{**choice, "finish_reason": "stop"}],
+            "usage": ctx.usage,
+        }
+        return JSONResponse(ctx.completion)
+
+    async def ask() -> str:
+        ctx = make_ctx(stream=False)
+        ctx.body["temperature"] = 0
+        ctx.parsed = ctx.parsed.model_copy(update={"temperature": 0})
+        ctx.tenant = TenantConfig(name="alpha", key_hashes=["a" * 64])
+        response = await stage(ctx, engine)
+        await asyncio.sleep(0.05)  # the entry is written off the request path
+        return response.headers["x-forge-cache"]
+
+    assert [await ask(), await ask()] == ["bypass", "bypass"]  # not said yet
+    identity[0] = "engine-1"
+    assert [await ask(), await ask()] == ["miss", "hit"]
+    identity[0] = None  # a roll under way
+    assert await ask() == "bypass"
+    identity[0] = "engine-2"
+    assert [await ask(), await ask()] == ["miss", "hit"]  # the old engine's answer not replayed
+    assert served == 5
