@@ -157,6 +157,8 @@ BROKEN_BUT_RENDERING = {
 # Values that must render, exercising an override.
 OVERRIDES = {
     "vertex-global": {"serveConfig": {"vertex": {"project": "forge-staging", "region": "global"}}},
+    # Forge's code shipped as a Serve config change.
+    "py-modules": {"serveConfig": {"runtimeEnv": {"py_modules": ["gs://forge/forge-abc123.zip"]}}},
     "api-key-fallback": {
         "serveConfig": {
             "forgeArgs": {
@@ -339,6 +341,15 @@ def test_production_overrides_only_the_vertex_endpoint(renders):
         "/locations/us-central1/endpoints/openapi"
     )
     assert serve_config(renders["production"]) == expected
+
+
+def test_shipped_code_reaches_the_gateway_and_every_pool_application(renders):
+    """A pool in its own application runs Forge's code too: without the same py_modules it
+    would keep the old code (or none) while the gateway runs the new."""
+    apps = {a["name"]: a for a in serve_config(renders["py-modules"])["applications"]}
+    for name in (FORGE_APP, "forge-pool-primary", "forge-pool-embed"):
+        assert apps[name]["runtime_env"]["py_modules"] == ["gs://forge/forge-abc123.zip"], name
+        assert apps[name]["runtime_env"]["env_vars"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1", name
 
 
 def test_vertex_global_endpoint(renders):

@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.conftest import ALPHA_KEY
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a rollout drill (~40 s): pytest -m slow
 
 APP = "forge-drain"
 STREAMS = 12

@@ -100,6 +100,11 @@ applied to the application named serveConfig.appName, as YAML. Everything else i
 {{- end }}
 {{- $runtimeEnv := mergeOverwrite (deepCopy (default dict $app.runtime_env)) (deepCopy $values.runtimeEnv) }}
 {{- $app = merge (dict "args" $args "runtime_env" $runtimeEnv) (omit $app "args" "runtime_env") }}
+{{- else if hasPrefix "serve_app.app:build_pool" (toString $app.import_path) }}
+{{- /* A pool's own application runs Forge's code too: the same runtimeEnv (py_modules). */}}
+{{- $runtimeEnv := mergeOverwrite (deepCopy (default dict $app.runtime_env)) (deepCopy $values.runtimeEnv) }}
+{{- /* set, not merge: a merge drops the app's `route_prefix: null`, and Serve reads "/". */}}
+{{- $_ := set $app "runtime_env" $runtimeEnv }}
 {{- end }}
 {{- $apps = append $apps $app }}
 {{- end }}
