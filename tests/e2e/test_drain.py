@@ -91,6 +91,8 @@ async def test_a_redeploy_under_streaming_load_truncates_no_stream(forge_url):
         after = await client.post(
             "/drain/v1/chat/completions", json={**body, "stream": False}, headers=headers
         )
-    serve.delete(APP, _blocking=False)  # its replicas drain on their own time
+    # Gone before the next test: a draining app's replicas would take the CPU the slow run's
+    # timing-sensitive drills (fair admission, the Prometheus scrape) need.
+    await asyncio.to_thread(serve.delete, APP)
     assert results == [(TOKENS, True)] * STREAMS, "every stream whole, each ending with [DONE]"
     assert after.status_code == 200  # and the new version serves

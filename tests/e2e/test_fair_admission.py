@@ -69,7 +69,10 @@ def test_flooder_sheds_alone_while_light_tenant_keeps_its_latency(forge_url):
 
     print("light beside a fair share", baseline, "\nlight", light, "\nflood", flood)
     assert light["errors"] == 0 and light["ok"] > 10, light
-    assert light["total_p50_ms"] <= 1.3 * baseline["total_p50_ms"], (light, baseline)
+    # Unfair admission puts the light tenant behind 40 flood streams: several times its baseline.
+    # 1.5x, not 1.3x: on this 2-core host the same code measured 1.2x in one CI run and 1.31x
+    # in the next (the flood's 429s cost gateway CPU the light tenant shares).
+    assert light["total_p50_ms"] <= 1.5 * baseline["total_p50_ms"], (light, baseline)
     shed = sum(1 for s in flood_run.samples if s.status == 429)
     assert shed > 0, "the flooder was shed"
     assert flood["ok"] > 0, "and still got its fair share of slots"

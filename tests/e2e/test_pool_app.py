@@ -96,5 +96,6 @@ async def test_a_pool_in_its_own_application_rolls_without_the_gateway(forge_url
         assert "miss" in after and after.index("miss") < after.index("hit"), after
         assert replica_admin.replica_ids(GATEWAY_APP, "gateway") == gateway  # not replaced
     finally:
-        serve.delete(GATEWAY_APP, _blocking=False)
-        serve.delete(POOL_APP, _blocking=False)
+        # Gone before the next test (see tests/e2e/test_drain.py).
+        await asyncio.to_thread(serve.delete, GATEWAY_APP)
+        await asyncio.to_thread(serve.delete, POOL_APP)
