@@ -64,8 +64,10 @@ async def cache_repeat_is_a_hit(target: Target, served: Served) -> str:
 # -- usage -----------------------------------------------------------------------------------
 
 
-async def _usage_today(client: httpx.AsyncClient, model: str) -> dict:
-    response = await client.get("/v1/usage", params={"model": model, "group": "total"})
+async def _usage_today(client: httpx.AsyncClient) -> dict:
+    """The tenant's usage today over every model: what the fallback served is recorded under
+    the fallback's own model (its price), not the one asked for."""
+    response = await client.get("/v1/usage", params={"group": "total"})
     expect(response.status_code == 200, f"/v1/usage: {response.status_code} {response.text[:120]}")
     lines = response.json()["data"]
     return {
@@ -76,7 +78,7 @@ async def _usage_today(client: httpx.AsyncClient, model: str) -> dict:
 
 async def usage_is_metered(target: Target, served: Served) -> str:
     async with target.http() as client:
-        before = await _usage_today(client, target.model)
+        before = await _usage_today(client)
         sent = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
         for i in range(3):
             response = await client.post(
@@ -93,7 +95,7 @@ async def usage_is_metered(target: Target, served: Served) -> str:
             sent["completion_tokens"] += usage["completion_tokens"]
 
         async def grown():
-            now = await _usage_today(client, target.model)
+            now = await _usage_today(client)
             return now if all(now[k] - before[k] >= sent[k] for k in sent) else None
 
         after = await _poll(grown, timeout_s=15)
