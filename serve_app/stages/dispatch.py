@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 import orjson
 from opentelemetry import trace
@@ -29,6 +30,7 @@ from starlette.responses import Response
 from serve_app import errors
 from serve_app.backends.base import Backend
 from serve_app.bridge import replica_backend
+from serve_app.engines.base import Kind
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import EventStream, RequestContext
 from serve_app.relay import relay, take_frames
@@ -95,15 +97,21 @@ class Dispatch:
     ) -> None:
         # model name → backends in order of preference (primary pool, then fallback)
         self.routes = routes
+        # (model, kind) → those of them that serve the kind (an upstream without
+        # /v1/completions), once here rather than on every request.
+        self._serving = {
+            (model, kind): [b for b in backends if kind in b.kinds]
+            for model, backends in routes.items()
+            for kind in get_args(Kind)
+        }
         self.breakers = breakers
         self.budget = retry_budget
         self.metrics = metrics
 
     async def __call__(self, ctx: RequestContext) -> Response:
-        candidates = self.routes.get(ctx.parsed.model)
-        if not candidates:
+        if not self.routes.get(ctx.parsed.model):
             raise errors.model_not_found(ctx.parsed.model)
-        candidates = [b for b in candidates if ctx.route in b.kinds]
+        candidates = self._serving.get((ctx.parsed.model, ctx.route))
         if not candidates:  # the fallback's own model, on a route its upstream lacks
             raise errors.unsupported_route(ctx.parsed.model, ctx.route)
         if self.budget is not None:
