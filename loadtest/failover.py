@@ -107,7 +107,7 @@ async def client(http: httpx.AsyncClient, began: float, until: float, out: list[
 
 
 async def watch(began: float, until: float, timeline: list[dict]) -> None:
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     while time.perf_counter() < until:
         boards = await asyncio.to_thread(replica_admin.describe_breakers, APP)
@@ -117,7 +117,7 @@ async def watch(began: float, until: float, timeline: list[dict]) -> None:
 
 
 async def drill(url: str, duration: float, down_at: float, up_at: float) -> dict:
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     outcomes: list[Outcome] = []
     timeline: list[dict] = []

@@ -67,7 +67,7 @@ def forge_args(share: float) -> dict:
 async def sample_queues(stop: asyncio.Event, out: list[dict], started: float) -> None:
     import ray
 
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     rid = replica_admin.replica_ids(APP, "scheduler-primary")[0]
     while not stop.is_set():

@@ -73,8 +73,8 @@ def start_forge(args: dict, *, reuse: bool = False) -> str:
     import ray
     from ray import serve
 
-    from serve_app import replica_admin
     from serve_app.app import build_app
+    from serve_app.replica import admin as replica_admin
 
     global _port
     if not (reuse and ray.is_initialized()):

@@ -56,8 +56,8 @@ from loadtest.local_graph import (
     stop_graph,
     wait_ready,
 )
-from serve_app.auth import hash_key
-from serve_app.live_config import gateway_user_config
+from serve_app.auth.keys import hash_key
+from serve_app.config.live import gateway_user_config
 
 DASHBOARD = "http://127.0.0.1:8265"
 GAMMA_KEY = "sk-drill-gamma-local-only"  # the tenant the tenant phase adds

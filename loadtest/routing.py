@@ -121,7 +121,7 @@ async def run_policy(
     from ray import serve
 
     from loadtest import inprocess
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     replicas, system_prompts, hot_share = WORKLOADS[workload_name]
     url = start_forge(forge_args(policy, replicas, options), reuse=True)

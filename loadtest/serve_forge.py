@@ -68,8 +68,8 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serve_app import replica_admin
     from serve_app.app import build_app
+    from serve_app.replica import admin as replica_admin
 
     ray.init(num_cpus=1, object_store_memory=100 * 1024 * 1024, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})

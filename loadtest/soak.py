@@ -730,7 +730,7 @@ class FaultInjector:
         import ray
         from ray.serve._private.constants import SERVE_NAMESPACE
 
-        from serve_app import replica_admin
+        from serve_app.replica import admin as replica_admin
 
         deployment = f"pool-{PRIMARY}"
         ids = replica_admin.replica_ids(APP, deployment)
@@ -789,7 +789,7 @@ def object_census(deployments: Sequence[tuple[str, str]]) -> dict[str, dict[str,
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
 
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     # Defined in here so that it is pickled by value: a replica cannot import the loadtest.
     def count(_actor) -> dict[str, int]:
@@ -932,7 +932,7 @@ def check_usage_counts(
 
 def pool_replicas() -> dict[str, list[dict]]:
     """Each pool's replicas' own stats (engine counters, running, waiting, open streams)."""
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     return {pool: replica_admin.all_stats(APP, f"pool-{pool}") for pool in (PRIMARY, "embed")}
 
@@ -1047,7 +1047,7 @@ def gateway_store_errors() -> dict[str, dict[str, int]]:
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
 
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     def read(_actor) -> dict[str, int]:
         from ray import serve
@@ -1063,8 +1063,8 @@ def gateway_store_errors() -> dict[str, dict[str, int]]:
 
 def lease_key(tenant: str) -> str:
     """Where the store keeps a tenant's stream leases (``QuotaStage``, Redis's sorted set)."""
-    from serve_app.config import TenantConfig
-    from serve_app.quota import TenantQuota
+    from serve_app.config.models import TenantConfig
+    from serve_app.stages.quota_buckets import TenantQuota
 
     return KEY_PREFIX + TenantQuota.of(TenantConfig(name=tenant, **TENANTS[tenant])).stream_key
 

@@ -148,7 +148,7 @@ async def _one(client, i: int) -> tuple[float, bool]:
 async def _worker(n: int, redis_url: str | None) -> None:
     import httpx
 
-    from serve_app.config import load_config
+    from serve_app.config.models import load_config
     from serve_app.local import build_local_gateway
     from serve_app.metrics import ForgeMetrics
 
@@ -514,7 +514,7 @@ def measure(args) -> dict:
 
 def side(tenants: list[int]) -> dict:
     """Start-up and periodic work that grows with tenants, and the scheduler under contention."""
-    from serve_app.config import load_config
+    from serve_app.config.models import load_config
 
     results: dict[str, list] = {
         "config_validation": [],
@@ -544,7 +544,7 @@ def side(tenants: list[int]) -> dict:
 
 def _scheduler_export(config) -> dict:
     """One pass of the scheduler deployment's housekeeping (it runs once a second)."""
-    from serve_app.scheduler_deployment import SchedulerDeployment
+    from serve_app.admission.deployment import SchedulerDeployment
 
     pool = config.pools[0]
     deployment = SchedulerDeployment(
@@ -569,7 +569,7 @@ def _memory_sweep(config) -> dict:
     interval, the worst single write while the expired keys go, and how many writes that took.
     A fresh store in a hot cache: in a gateway that has idled, its keys are cold and a scan of
     them costs several times more."""
-    from serve_app.quota import TenantQuota
+    from serve_app.stages.quota_buckets import TenantQuota
     from serve_app.store import Bucket, MemoryStore
     from serve_app.store import memory as memory_module
 
@@ -605,7 +605,7 @@ def _memory_sweep(config) -> dict:
 def _contended(waiting: int) -> dict:
     """CPU of one grant (release → the next waiter) while ``waiting`` tenants each have one
     request queued: what every grant costs under overload."""
-    from serve_app.scheduler import FairScheduler, TenantShare
+    from serve_app.admission.scheduler import FairScheduler, TenantShare
 
     async def run() -> float:
         tenants = {
@@ -635,9 +635,9 @@ def _contended(waiting: int) -> dict:
 # rest of Forge's files are the gateway's.
 _REPLICA_SIDE = (
     "serve_app/engines/",
-    "serve_app/replica.py",
-    "serve_app/faults.py",
-    "serve_app/block_hashes.py",
+    "serve_app/replica/server.py",
+    "serve_app/replica/faults.py",
+    "serve_app/kvcache/block_hashes.py",
 )
 
 

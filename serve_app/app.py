@@ -16,14 +16,14 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from serve_app.admission.deployment import SchedulerDeployment
 from serve_app.bridge import pool_deployment_name
-from serve_app.config import PoolConfig, TracingConfig, load_config, load_pool_app_config
-from serve_app.ingress import GatewayIngress
-from serve_app.pool_app import PoolApplication
-from serve_app.replica import Replica
+from serve_app.config.models import PoolConfig, TracingConfig, load_config, load_pool_app_config
+from serve_app.gateway.ingress import GatewayIngress
+from serve_app.replica.pool_ingress import PoolApplication
+from serve_app.replica.server import Replica
 from serve_app.resilience.board import BreakerBoardDeployment
 from serve_app.resilience.settings import breaker_settings
-from serve_app.scheduler_deployment import SchedulerDeployment
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -69,7 +69,7 @@ def build_app(args: dict[str, Any]) -> Application:
     return gateway.bind(config.model_dump(exclude_unset=True), pools, schedulers, board)
 
 
-POOL_APP_INGRESS = "ingress"  # a pool application's ingress (serve_app/pool_app.py says why)
+POOL_APP_INGRESS = "ingress"  # a pool application's ingress (replica/pool_ingress.py says why)
 
 
 def build_pool(args: dict[str, Any]) -> Application:

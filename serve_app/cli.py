@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from serve_app.auth import hash_key, new_key
+from serve_app.auth.keys import hash_key, new_key
 
 
 def _keys_new(args: argparse.Namespace) -> int:
@@ -40,7 +40,7 @@ def _breakers(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
     try:
@@ -55,8 +55,8 @@ def _breakers(args: argparse.Namespace) -> int:
 def _config_check(args: argparse.Namespace) -> int:
     import yaml
 
-    from serve_app.config import ConfigError
-    from serve_app.live_config import live_digest, serve_config_forge
+    from serve_app.config.live import live_digest, serve_config_forge
+    from serve_app.config.models import ConfigError
 
     try:
         with open(args.file) as f:
@@ -84,7 +84,7 @@ def _config_check(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace) -> int:
-    from serve_app import usage_report
+    from serve_app.admin import usage_report
 
     return usage_report.run(args)
 

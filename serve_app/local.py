@@ -22,22 +22,22 @@ from collections.abc import Mapping
 import httpx
 from opentelemetry.trace import Tracer
 
-from serve_app.auth import KeyRing
+from serve_app.admission.client import LocalSchedulerClient, fair_scheduler
+from serve_app.auth.keys import KeyRing
 from serve_app.backends.base import Backend
 from serve_app.backends.credentials import Credentials
 from serve_app.backends.fallback import FallbackBackend
 from serve_app.backends.local_pool import LocalPoolBackend
 from serve_app.backends.pool import pool_timeouts
 from serve_app.bridge import PoolBridge
-from serve_app.config import ForgeConfig, PoolConfig
-from serve_app.gateway import Gateway
-from serve_app.live_config import serve_config_forge
+from serve_app.config.live import serve_config_forge
+from serve_app.config.models import ForgeConfig, PoolConfig
+from serve_app.gateway.server import Gateway
 from serve_app.metrics import ForgeMetrics
-from serve_app.replica import Replica
+from serve_app.replica.server import Replica
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.settings import breaker_client_options, breaker_settings
-from serve_app.scheduler_client import LocalSchedulerClient, fair_scheduler
 from serve_app.stack import Collaborators
 from serve_app.store import Store, build_store
 from serve_app.tracing import tracer_for

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from serve_app.metering import UsageRecord
+    from serve_app.metering.ledger import UsageRecord
 
 _LATENCY_BUCKETS = [
     0.001,

@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from serve_app import errors, protocol, sse
-from serve_app.config import GEMINI_PARAMS, SimulatedEngineConfig
+from serve_app.config.models import GEMINI_PARAMS, SimulatedEngineConfig
 from serve_app.engines.base import Kind, Usage
 from serve_app.engines.simulated import SimulatedEngine
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
-from serve_app.config import TenantConfig
+from serve_app.config.models import TenantConfig
 from serve_app.engines.base import Kind
 
 logger = logging.getLogger("ray.serve")

@@ -25,35 +25,36 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
 
-from serve_app.auth import KeyRing
-from serve_app.auth_throttle import FailedAuthThrottle
+from serve_app.admission.client import SchedulerClient
+from serve_app.admission.scheduler import tenant_cap
+from serve_app.admission.warm_slots import WarmSlots
+from serve_app.auth.keys import KeyRing
+from serve_app.auth.throttle import FailedAuthThrottle
 from serve_app.backends.base import Backend
-from serve_app.config import AdmissionConfig, ForgeConfig, PoolConfig
-from serve_app.metering import UsageLedger
+from serve_app.config.models import AdmissionConfig, ForgeConfig, PoolConfig
+from serve_app.metering.ledger import UsageLedger
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.retry_budget import RetryBudget
 from serve_app.resilience.settings import retry_budget_settings
-from serve_app.scheduler import tenant_cap
-from serve_app.scheduler_client import SchedulerClient
 from serve_app.stages.admission import AdmissionStage
 from serve_app.stages.authenticate import AuthStage
 from serve_app.stages.cache import CachedPool, CacheStage
 from serve_app.stages.dispatch import Dispatch
-from serve_app.stages.meter import MeterStage
+from serve_app.stages.metering import MeterStage
 from serve_app.stages.parse import ParseStage
 from serve_app.stages.quota import QuotaStage
 from serve_app.stages.request_id import RequestIdStage
+from serve_app.stages.store_failures import StoreFailures
 from serve_app.stages.telemetry import TelemetryStage
 from serve_app.stages.trace import TraceStage
 from serve_app.store import Store
-from serve_app.warm_slots import WarmSlots
 
 
 @dataclass(frozen=True, slots=True)
 class Collaborators:
-    """Everything outside the gateway that the stack talks to. ``serve_app/ingress.py`` builds
+    """Everything outside the gateway that the stack talks to. ``gateway/ingress.py`` builds
     them over Serve handles, ``serve_app/local.py`` in process."""
 
     keyring: KeyRing
@@ -69,6 +70,54 @@ class Collaborators:
 
 
 @dataclass(frozen=True, slots=True)
+class LastingParts:
+    """What a gateway replica keeps across live rebuilds of its pipeline: the usage queued for
+    the ledger, the failed-auth counts, and the pool slots it holds (parked or in use). A live
+    configuration change builds a new pipeline around these same objects, so nothing queued,
+    counted or held is dropped; ``build_lasting`` makes them once per replica."""
+
+    ledger: UsageLedger
+    auth_throttle: FailedAuthThrottle | None
+    slots: Mapping[str, WarmSlots]  # pool name → this replica's slots of it (admission pools)
+
+    def retune(self, config: ForgeConfig) -> None:
+        """A live change's per-tenant cap and keep-warm for the slots already held."""
+        for pool in config.pools:
+            slots = self.slots.get(pool.name)
+            if slots is not None and pool.admission is not None:
+                slots.tenant_cap = tenant_cap(
+                    pool.admission.max_inflight, pool.admission.max_tenant_share
+                )
+                slots.keep_warm_s = pool.admission.keep_warm_s
+
+
+def build_lasting(config: ForgeConfig, parts: Collaborators) -> LastingParts:
+    """The parts that outlive a live rebuild, built once per gateway replica."""
+    store_failed = StoreFailures(parts.metrics, "usage kept queued, retried")
+    ledger = UsageLedger(
+        parts.usage_store or parts.store,
+        config.metering.retention_days,
+        flush_s=config.metering.flush_s,
+        on_error=lambda exc: store_failed("meter", exc),
+    )
+    throttle = None
+    if config.gateway.auth_throttle is not None:
+        shed = parts.metrics.shed
+        throttle = FailedAuthThrottle(
+            config.gateway.auth_throttle,
+            lambda: shed.inc(tags={"tenant": "anonymous", "reason": "auth_throttle"}),
+        )
+    slots = {
+        p.name: warm_slots(parts.schedulers[p.name], p.admission) for p in _admitted(config, parts)
+    }
+    return LastingParts(ledger, throttle, slots)
+
+
+def _admitted(config: ForgeConfig, parts: Collaborators) -> list[PoolConfig]:
+    return [p for p in config.pools if p.admission is not None and p.name in parts.schedulers]
+
+
+@dataclass(frozen=True, slots=True)
 class Pipeline:
     inference: Handler  # /v1/chat/completions, /v1/completions
     listing: Handler  # /v1/models
@@ -78,30 +127,24 @@ class Pipeline:
 def build_pipeline(
     config: ForgeConfig,
     parts: Collaborators,
+    lasting: LastingParts,
     *,
     routes: Mapping[str, Sequence[Backend]],
     list_models: Handler,
-    ledger: UsageLedger | None = None,
-    auth_throttle: FailedAuthThrottle | None = None,
-    slots: Mapping[str, WarmSlots] | None = None,
 ) -> Pipeline:
-    """The request path. ``routes``: model → its backends in order of preference; ``ledger``
-    keeps usage per tenant and day (None: Prometheus only); ``auth_throttle`` turns repeated
-    wrong keys into 429s; ``slots``: pool name → this replica's slots of it, to keep across a
-    rebuild (a live configuration change; built here when absent); with ``parts.tracer``, a
-    root span first and a span per stage."""
-    metrics, schedulers, tracer = parts.metrics, parts.schedulers, parts.tracer
+    """The request path around ``lasting`` (built once, kept across rebuilds). ``routes``:
+    model → its backends in order of preference; with ``parts.tracer``, a root span first and a
+    span per stage."""
+    metrics, tracer = parts.metrics, parts.tracer
     front: list[Stage] = [
         RequestIdStage(),
         TelemetryStage(metrics),
-        AuthStage(parts.keyring, auth_throttle),
+        AuthStage(parts.keyring, lasting.auth_throttle),
     ]
-    admitted = [p for p in config.pools if p.admission is not None and p.name in schedulers]
-    if not config.metering.enabled:
-        ledger = None
+    admitted = _admitted(config, parts)
     stages: list[Stage] = [
         *front,
-        MeterStage(ledger, metrics),
+        MeterStage(lasting.ledger if config.metering.enabled else None, metrics),
         ParseStage(config.gateway, model_tasks(config, routes)),
         QuotaStage(
             parts.store,
@@ -111,10 +154,7 @@ def build_pipeline(
         ),
         *cache_stage(config, parts),
         AdmissionStage(
-            {
-                p.model: (slots or {}).get(p.name) or warm_slots(schedulers[p.name], p.admission)
-                for p in admitted
-            },
+            {p.model: lasting.slots[p.name] for p in admitted},
             {p.model: p.admission.deadline_s for p in admitted},
             metrics,
         ),

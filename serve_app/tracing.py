@@ -21,7 +21,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Tracer
 
-from serve_app.config import TracingConfig
+from serve_app.config.models import TracingConfig
 
 TRACER_NAME = "forge"
 

@@ -1,5 +1,5 @@
 """Requests that carry marker strings into the prompt and into the answer, for the tests that
-look for them where they must not be (``tests/test_span_hygiene.py``: spans and log records in
+look for them where they must not be (``gateway/test_span_hygiene.py``: spans and log records in
 process; ``tests/e2e/test_log_hygiene.py``: every log file Ray wrote and every metric)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.metering import UsageRecord
+from serve_app.metering.ledger import UsageRecord
 from serve_app.metrics import ForgeMetrics
 from tests.doubles import Counter
 

@@ -15,13 +15,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from serve_app import tracing
-from serve_app.config import TracingConfig, load_config
-from serve_app.gateway import Gateway
+from serve_app.config.models import TracingConfig, load_config
+from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
 from serve_app.mock_openai import create_mock_app
 from serve_app.tracing import tracer_for
 from tests.backends.loopback import RecordingHeaders
-from tests.test_gateway import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_args
+from tests.gateway.test_server import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_args
 
 PROMPT = "a secret prompt the traces must never carry"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -18,7 +18,7 @@ import httpx
 import orjson
 
 from serve_app import errors
-from serve_app.config import FallbackConfig
+from serve_app.config.models import FallbackConfig
 
 logger = logging.getLogger("ray.serve")
 

@@ -16,7 +16,7 @@ import orjson
 from serve_app import errors, sse
 from serve_app.backends.base import paced
 from serve_app.backends.credentials import Credentials, credentials_for
-from serve_app.config import FallbackConfig
+from serve_app.config.models import FallbackConfig
 from serve_app.engines.base import Kind
 from serve_app.tracing import carrier
 

@@ -17,7 +17,7 @@ from serve_app import errors
 from serve_app.backends.base import ABANDONED_WAIT_S, Timeouts, paced
 from serve_app.bridge import BridgedPool, PoolBridge, replica_backend
 from serve_app.engines.base import EngineError, Kind
-from serve_app.replica import Replica
+from serve_app.replica.server import Replica
 from serve_app.resilience.breaker import State
 from serve_app.tracing import carrier
 

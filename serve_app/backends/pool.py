@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app import errors
 from serve_app.backends.base import ABANDONED_WAIT_S, Timeouts, paced
 from serve_app.bridge import BridgedPool, PoolBridge
-from serve_app.config import PoolConfig
+from serve_app.config.models import PoolConfig
 from serve_app.engines.base import EngineError, Kind
 from serve_app.tracing import carrier
 

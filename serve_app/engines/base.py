@@ -142,7 +142,7 @@ class Engine(ABC):
 
     def cached_block_hashes(self) -> list[int]:
         """Prefix-cache block hashes (Forge's chain over full prompt blocks,
-        ``serve_app/block_hashes.py``): a KV event publisher's snapshot for a router that
+        ``serve_app/kvcache/block_hashes.py``): a KV event publisher's snapshot for a router that
         resyncs. Engines that cannot tell return nothing; routing then ignores cache state."""
         return []
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import orjson
 
 from serve_app import errors, tokenizer
-from serve_app.config import SimulatedEngineConfig
+from serve_app.config.models import SimulatedEngineConfig
 from serve_app.engines.base import AbandonedUsage, Engine, EngineStats, Kind, Usage
 from serve_app.engines.embeddings import (
     embed_tokens,
@@ -27,7 +27,7 @@ from serve_app.engines.embeddings import (
 from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
 from serve_app.engines.tool_calls import ToolCall, plan_tool_calls
-from serve_app.kv_events import KvEventPublisher
+from serve_app.kvcache.events import KvEventPublisher
 from serve_app.protocol import embedding_inputs, prompt_text
 
 

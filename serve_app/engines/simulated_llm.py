@@ -35,9 +35,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from serve_app.block_hashes import prefix_block_hashes
 from serve_app.engines.base import EngineError, Usage
-from serve_app.kv_events import EngineLoad, KvEventPublisher
+from serve_app.kvcache.block_hashes import prefix_block_hashes
+from serve_app.kvcache.events import EngineLoad, KvEventPublisher
 from serve_app.tokenizer import OUTPUT_WORDS, token_id
 
 FinishReason = Literal["stop", "length"]

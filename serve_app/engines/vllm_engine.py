@@ -30,8 +30,7 @@ import zmq
 import zmq.asyncio
 
 from serve_app import errors
-from serve_app.block_hashes import chain_block_hash
-from serve_app.config import VLLMEngineConfig
+from serve_app.config.models import VLLMEngineConfig
 from serve_app.engines.base import (
     AbandonedUsage,
     Engine,
@@ -40,7 +39,8 @@ from serve_app.engines.base import (
     Kind,
     Usage,
 )
-from serve_app.kv_events import EngineLoad, KvEventPublisher
+from serve_app.kvcache.block_hashes import chain_block_hash
+from serve_app.kvcache.events import EngineLoad, KvEventPublisher
 
 logger = logging.getLogger("ray.serve")
 

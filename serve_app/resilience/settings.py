@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve_app.config import BreakerConfig, ResilienceConfig, RetryBudgetConfig
+from serve_app.config.models import BreakerConfig, ResilienceConfig, RetryBudgetConfig
 from serve_app.resilience.breaker import BreakerSettings
 from serve_app.resilience.retry_budget import RetryBudgetSettings
 

@@ -1,4 +1,4 @@
-"""What every routing policy shares: the replica and request views, the interface, the registry.
+"""What every routing policy shares: the replica and request views and the interface.
 
 Policies are pure: no Ray, no I/O, no clock. The Ray Serve ``RequestRouter`` adapter builds a
 ``ReplicaView`` of each live replica for every request (its own in-flight count plus the routing
@@ -19,22 +19,10 @@ bound that is relative to the mean.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-POLICY_NAMES: tuple[str, ...] = (
-    "power_of_two",
-    "round_robin",
-    "least_in_flight",
-    "least_queue",
-    "prefix_affinity",
-    "kv_aware",
-)
-# Policies fed by the replicas' KV-cache events (``serve_app/kv_events.py``).
-KV_EVENT_POLICIES = frozenset({"kv_aware"})
+from typing import ClassVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +62,10 @@ class RoutingPolicy(ABC):
     Excluded replicas never appear in the ranking; it is empty when no replica is eligible.
     """
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # what a pool's ``routing.policy`` says (``routing/registry.py``)
+    # Fed by the replicas' KV-cache events (``serve_app/kvcache/events.py``): the replicas of a
+    # pool with such a policy publish them, and its routers keep an index of them.
+    uses_kv_events: ClassVar[bool] = False
 
     @abstractmethod
     def rank(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> list[str]:
@@ -127,36 +118,3 @@ def bounded_load_order(
     under = [r.replica_id for r, load in zip(preference, loads, strict=True) if load <= bound]
     over = [r.replica_id for r, load in zip(preference, loads, strict=True) if load > bound]
     return under + over, loads[0] > bound
-
-
-def build_policy(name: str, **kwargs: Any) -> RoutingPolicy:
-    """The policy registered under ``name``, built with ``kwargs``; errors name the bad input."""
-    # Imported here: the policy modules import this one.
-    from serve_app.routing.kv_aware import KvAwarePolicy
-    from serve_app.routing.least_in_flight import LeastInFlightPolicy
-    from serve_app.routing.least_queue import LeastQueuePolicy
-    from serve_app.routing.power_of_two import PowerOfTwoPolicy
-    from serve_app.routing.prefix_affinity import PrefixAffinityPolicy
-    from serve_app.routing.round_robin import RoundRobinPolicy
-
-    classes: dict[str, type[RoutingPolicy]] = {
-        cls.name: cls
-        for cls in (
-            PowerOfTwoPolicy,
-            RoundRobinPolicy,
-            LeastInFlightPolicy,
-            LeastQueuePolicy,
-            PrefixAffinityPolicy,
-            KvAwarePolicy,
-        )
-    }
-    cls = classes.get(name)
-    if cls is None:
-        raise ValueError(
-            f"unknown routing policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}"
-        )
-    try:
-        inspect.signature(cls).bind(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"routing policy {name!r}: {exc}") from None
-    return cls(**kwargs)

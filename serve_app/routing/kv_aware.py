@@ -71,6 +71,7 @@ class KvAwarePolicy(RoutingPolicy):
     """
 
     name = "kv_aware"
+    uses_kv_events = True
 
     def __init__(
         self, request_cost_tokens: float = 64.0, load_factor: float = 1.5, bound: str = "requests"

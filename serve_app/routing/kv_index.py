@@ -1,7 +1,7 @@
 """The router's index of which replica caches which blocks, fed by the replicas' KV events.
 
 One per pool in each gateway replica (the pool's ``ForgeRequestRouter`` owns it). A daemon
-thread subscribes to every replica's publisher (``serve_app/kv_events.py``) and applies each
+thread subscribes to every replica's publisher (``serve_app/kvcache/events.py``) and applies each
 message as it arrives, so the index trails the engines by the transport's latency (about a
 millisecond here; ``forge_kv_event_lag_seconds`` measures it). The router reads it on its own
 loop: reads are single set and dict lookups, atomic under the GIL, and a resync swaps in a new
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from serve_app.kv_events import CLEARED, REMOVED, SNAPSHOT_REQUEST, STORED, EngineLoad, decode
+from serve_app.kvcache.events import CLEARED, REMOVED, SNAPSHOT_REQUEST, STORED, EngineLoad, decode
 from serve_app.metrics import counter, gauge, histogram
 
 logger = logging.getLogger("ray.serve")

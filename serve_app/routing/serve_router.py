@@ -17,20 +17,15 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import tokenizer
-from serve_app.block_hashes import prefix_block_hashes
 from serve_app.bridge import pool_bridge, pool_of_deployment, replica_backend
+from serve_app.kvcache.block_hashes import prefix_block_hashes
 from serve_app.metrics import counter
 from serve_app.protocol import prompt_text
 from serve_app.resilience.breaker import Admit, State
-from serve_app.routing.base import (
-    KV_EVENT_POLICIES,
-    ReplicaView,
-    RouteRequest,
-    RoutingPolicy,
-    build_policy,
-)
+from serve_app.routing.base import ReplicaView, RouteRequest, RoutingPolicy
 from serve_app.routing.kv_aware import uncached_tokens
 from serve_app.routing.kv_index import KvIndex
+from serve_app.routing.registry import KV_EVENT_POLICIES, build_policy
 
 # Enough text for the first blocks a policy looks at; tokenizing a 100 kB prompt per request
 # to hash 4 blocks of it would cost more than the routing decision.

@@ -2,7 +2,7 @@
 
 A slot parked on this gateway replica is taken at once when nobody is queued (no call at all);
 otherwise one scheduler call acquires one (it may wait in the tenant's queue up to the deadline).
-``serve_app/warm_slots.py`` keeps the parked slots and batches what the scheduler must hear. The
+``admission/warm_slots.py`` keeps the parked slots and batches what the scheduler must hear. The
 slot is released on every exit path. A long generation renews its lease so the scheduler does not
 reclaim a live slot. If the scheduler cannot be reached the request is admitted (fail open) and
 counted: admission protects latency, it must never become the outage.
@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from starlette.responses import Response
 
 from serve_app import errors
+from serve_app.admission.client import Lease
+from serve_app.admission.scheduler import Shed
+from serve_app.admission.warm_slots import WarmSlots
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
-from serve_app.scheduler import Shed
-from serve_app.scheduler_client import Lease
-from serve_app.warm_slots import WarmSlots
 
 logger = logging.getLogger("ray.serve")
 

@@ -1,12 +1,12 @@
 """Bearer key → tenant, before anything else touches the request. Fails closed: a wrong key is
-a 401, or a 429 once its client keeps sending wrong keys (``serve_app/auth_throttle.py``)."""
+a 401, or a 429 once its client keeps sending wrong keys (``serve_app/auth/throttle.py``)."""
 
 from __future__ import annotations
 
 from starlette.responses import Response
 
-from serve_app.auth import KeyRing
-from serve_app.auth_throttle import FailedAuthThrottle, authenticate
+from serve_app.auth.keys import KeyRing
+from serve_app.auth.throttle import FailedAuthThrottle, authenticate
 from serve_app.pipeline import Handler, RequestContext
 
 

@@ -1,6 +1,6 @@
 """The response cache stage: after quota, before admission (a hit costs no slot, no backend).
 
-A deterministic request (``serve_app/cache.py`` says which) is looked up under its tenant's
+A deterministic request (``stages/cache_rules.py`` says which) is looked up under its tenant's
 scope. A hit is answered here, as JSON or as a stream, and settles the quota to the cached
 usage like any answer. A miss goes on; its answer is kept only if the pool itself served it,
 completely and plainly (never the fallback's, never a stream that failed or that the client
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import orjson
 from starlette.responses import Response
 
-from serve_app.cache import CachedAnswer, bypass_reason, cache_key
-from serve_app.config import CacheConfig
+from serve_app.config.models import CacheConfig
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import EventStream, Handler, RequestContext, on_response_end
+from serve_app.stages.cache_rules import CachedAnswer, bypass_reason, cache_key
 from serve_app.stages.store_failures import StoreFailures
 from serve_app.store import Store, StoreError
 

@@ -33,11 +33,11 @@ from serve_app.bridge import replica_backend
 from serve_app.engines.base import Kind
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import EventStream, RequestContext
-from serve_app.relay import relay, take_frames
 from serve_app.resilience.breaker import Admit, Outcome, State
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.outcomes import classify, retryable
 from serve_app.resilience.retry_budget import RetryBudget
+from serve_app.stages.relay import relay, take_frames
 
 _STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _MAX_ATTEMPTS = 2  # the first try and at most one retry

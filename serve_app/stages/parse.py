@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from serve_app import errors, protocol
-from serve_app.config import GatewayConfig
+from serve_app.config.models import GatewayConfig
 from serve_app.pipeline import Handler, RequestContext
 
 _MODELS = {

@@ -17,12 +17,12 @@ from collections.abc import Mapping
 
 from starlette.responses import Response
 
-from serve_app.config import TenantConfig
-from serve_app.metering import charged_tokens
+from serve_app.config.models import TenantConfig
+from serve_app.metering.ledger import charged_tokens
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
 from serve_app.protocol import count_prompt_tokens
-from serve_app.quota import TenantQuota
+from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.stages.store_failures import StoreFailures
 from serve_app.store import Store, StoreError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from serve_app.config import StoreConfig
+from serve_app.config.models import StoreConfig
 from serve_app.resilience.breaker import State
 from serve_app.resilience.settings import breaker_settings
 from serve_app.store.base import Store

@@ -18,7 +18,7 @@ from serve_app.backends.credentials import (
     StaticKey,
     credentials_for,
 )
-from serve_app.config import FallbackConfig
+from serve_app.config.models import FallbackConfig
 from serve_app.errors import ForgeError
 from tests.backends.loopback import TOKEN_PATH, FakeMetadataServer, refused_url, serve_on_loopback
 from tests.doubles import Clock

@@ -12,7 +12,7 @@ import yaml
 
 from serve_app import sse
 from serve_app.backends.fallback import FallbackBackend
-from serve_app.config import FallbackConfig
+from serve_app.config.models import FallbackConfig
 from serve_app.errors import ForgeError
 
 KEY_ENV = "FORGE_TEST_FALLBACK_KEY"

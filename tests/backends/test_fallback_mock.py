@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from serve_app.backends.fallback import FallbackBackend
-from serve_app.config import FallbackConfig
+from serve_app.config.models import FallbackConfig
 from serve_app.errors import ForgeError
 from serve_app.mock_openai import create_mock_app
 from tests.backends.loopback import (

@@ -320,7 +320,7 @@ def check_serve_config(config: dict) -> None:
     entry for it. Raises what they raise."""
     from ray.serve.schema import ServeDeploySchema
 
-    from serve_app.live_config import serve_config_forge
+    from serve_app.config.live import serve_config_forge
 
     ServeDeploySchema.model_validate(config)
     serve_config_forge(config, FORGE_APP)
@@ -366,7 +366,7 @@ def test_serve_config_loads_with_serve_and_forge(renders, name):
 
 
 def test_a_serve_config_forge_rejects_fails(renders):
-    from serve_app.config import ConfigError
+    from serve_app.config.models import ConfigError
 
     with pytest.raises(ConfigError, match="weight"):
         check_serve_config(serve_config(renders["rejected-by-forge"]))
@@ -589,7 +589,7 @@ def test_gpu_group_advertises_what_the_pools_ask_for(rendered):
 def test_every_deployment_has_a_group_to_scale(rendered):
     placed = placements(rendered.one("RayService"), deployments(rendered))
     names = {n: {d.name for d in ds} for n, ds in placed.items()}
-    anchors = {"forge-pool-primary/ingress", "forge-pool-embed/ingress"}  # serve_app/pool_app.py
+    anchors = {"forge-pool-primary/ingress", "forge-pool-embed/ingress"}  # replica/pool_ingress.py
     assert names["headgroup"] == {"scheduler-primary", "breaker-board"} | anchors
     assert names["cpu"] == {"gateway", "scheduler-primary", "breaker-board"} | anchors
     assert names["gpu-t4"] == {POOL_PRIMARY, POOL_EMBED}

@@ -313,7 +313,7 @@ def openai_client(forge_url):
 @pytest.fixture
 def faults(forge_url):
     """Set faults on replicas; every fault set in a test is cleared after it."""
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     touched: set[str] = set()
 
@@ -357,7 +357,7 @@ def gateway_breaker_states(backends: Iterable[str]) -> list[dict[str, int]]:
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
 
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     def read_copy(_actor, backends: list[str]) -> dict[str, int]:
         from ray import serve
@@ -375,7 +375,7 @@ def gateway_breaker_states(backends: Iterable[str]) -> list[dict[str, int]]:
 
 def breakers_closed_everywhere(backends: Iterable[str]) -> bool:
     """Nothing open or half-open on the board, nor in any gateway replica's copy of it."""
-    from serve_app import replica_admin
+    from serve_app.replica import admin as replica_admin
 
     if replica_admin.breaker_states(APP):
         return False

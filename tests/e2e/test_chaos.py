@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import ALPHA_KEY, APP, BREAKER_THRESHOLD, gateway_breaker_states
 from tests.polling import eventually
 

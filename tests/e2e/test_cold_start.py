@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import ALPHA_KEY, APP, COLD_POOL
 
 pytestmark = pytest.mark.e2e

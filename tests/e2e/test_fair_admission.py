@@ -8,7 +8,7 @@ import pytest
 
 from loadtest import fairness
 from loadtest.http_load import closed_loop
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import APP, tenant_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

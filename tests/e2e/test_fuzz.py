@@ -23,7 +23,7 @@ Two operations change the session graph's shared state, and are fuzzed so that t
 - ``POST /admin/breakers/reset`` only closes breakers; on a graph the fuzz faults nothing there
   is none to close, so it runs as generated, and the check afterwards shows none open.
 
-The throttle on wrong keys (``serve_app/auth_throttle.py``) counts every wrong key from this
+The throttle on wrong keys (``serve_app/auth/throttle.py``) counts every wrong key from this
 address, so Schemathesis' own ``ignored_auth`` probes (a wrong key after every 2xx) are off;
 each secured operation is asked once without a key and once with a wrong one instead.
 """

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from serve_app import protocol, replica_admin
-from serve_app.config import GatewayConfig
+from serve_app.config.models import GatewayConfig
 from tests.e2e.conftest import (
     ADMIN_KEY,
     ALPHA_KEY,

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from loadtest.http_load import closed_loop
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import ALPHA_KEY, APP
 
 pytestmark = pytest.mark.e2e

@@ -23,7 +23,7 @@ here: tests/conftest.py sets ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, which makes g
 default transport between deployments).
 
 The suite runs Serve's Python proxy, not HAProxy: HAProxy's listeners (configs/local.yaml) are
-checked by scripts/smoke_local.py and tests/test_haproxy_loopback.py, and a ``haproxy`` socket
+checked by scripts/smoke_local.py and tests/tools/test_haproxy_loopback.py, and a ``haproxy`` socket
 here would be of no known role. The driver (this pytest process) is left out: other tests start
 their own servers in it.
 """
@@ -78,7 +78,7 @@ EXPECTED: dict[str, Role] = {
     "replica gRPC (inter-deployment)": Role(
         "ray::ServeReplica:", True, "controller: running replicas' port"
     ),
-    # A kv_aware pool's replicas publish their KV events (serve_app/kv_events.py) on the node's
+    # A kv_aware pool's replicas publish their KV events (serve_app/kvcache/events.py) on the node's
     # address, which routers in other pods must reach: loopback here, the pod's IP on a cluster.
     "KV events: publisher": Role("ray::ServeReplica:", True, "replica's routing stats"),
     "KV events: snapshot": Role("ray::ServeReplica:", True, "replica's routing stats"),

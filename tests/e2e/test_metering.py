@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import (
     ADMIN_KEY,
     APP,

@@ -72,8 +72,8 @@ async def cache_results(client: httpx.AsyncClient, until: str, within_s: float =
 async def test_a_pool_in_its_own_application_rolls_without_the_gateway(forge_url):
     from ray import serve
 
-    from serve_app import replica_admin
     from serve_app.app import build_app, build_pool
+    from serve_app.replica import admin as replica_admin
 
     def deploy_pool(decode_s: float) -> None:
         serve.run(build_pool(pool_args(decode_s)), name=POOL_APP, route_prefix=None)

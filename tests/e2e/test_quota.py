@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from serve_app import replica_admin
-from serve_app.quota import TenantQuota
+from serve_app.replica import admin as replica_admin
+from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.store import RedisStore
 from tests.e2e.conftest import ALPHA_KEY, APP, LIMITED_TENANTS, tenant_key
 
@@ -30,7 +30,7 @@ def _post(forge_url: str, tenant: str, **body) -> httpx.Response:
 
 
 def _quota(name: str) -> TenantQuota:
-    from serve_app.config import TenantConfig
+    from serve_app.config.models import TenantConfig
 
     return TenantQuota.of(
         TenantConfig(name=name, key_hashes=["0" * 64], limits=LIMITED_TENANTS[name])

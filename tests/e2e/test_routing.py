@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import APP
 from tests.polling import eventually
 

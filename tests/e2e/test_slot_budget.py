@@ -10,7 +10,7 @@ import pytest
 
 from loadtest import fairness
 from loadtest.http_load import closed_loop
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import APP, FAIR_TENANTS, tenant_key
 from tests.polling import eventually
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from serve_app import tokenizer
-from serve_app.config import SimulatedEngineConfig
+from serve_app.config.models import SimulatedEngineConfig
 from serve_app.engines.base import Kind
 from serve_app.engines.simulated import SimulatedEngine
 from serve_app.protocol import prompt_text

@@ -7,7 +7,7 @@ import json
 import orjson
 import pytest
 
-from serve_app.config import SimulatedEngineConfig
+from serve_app.config.models import SimulatedEngineConfig
 from serve_app.engines.output_rules import StopMatcher
 from serve_app.engines.simulated import SimulatedEngine
 

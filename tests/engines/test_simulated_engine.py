@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from serve_app import tokenizer
-from serve_app.config import SimulatedEngineConfig
+from serve_app.config.models import SimulatedEngineConfig
 from serve_app.engines.base import Usage
 from serve_app.engines.simulated import SimulatedEngine
 from serve_app.errors import ForgeError

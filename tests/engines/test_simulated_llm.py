@@ -492,7 +492,7 @@ class RecordingPublisher:
 
 
 async def test_events_name_every_block_cached_and_evicted(make_engine: EngineFactory) -> None:
-    from serve_app.block_hashes import prefix_block_hashes
+    from serve_app.kvcache.block_hashes import prefix_block_hashes
 
     engine = make_engine(block_size=4, num_kv_blocks=5, output_tokens_min=3, output_tokens_max=3)
     events = engine.events = RecordingPublisher()

@@ -10,8 +10,8 @@ import openai
 import pydantic
 import pytest
 
-from serve_app.auth import hash_key
-from serve_app.config import SimulatedEngineConfig, load_config
+from serve_app.auth.keys import hash_key
+from serve_app.config.models import SimulatedEngineConfig, load_config
 from serve_app.engines.simulated import SimulatedEngine
 from serve_app.engines.tool_calls import plan_tool_calls
 from serve_app.errors import ForgeError

@@ -7,7 +7,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from loadtest import rollout
-from serve_app.live_config import application_config, serve_config_forge
+from serve_app.config.live import application_config, serve_config_forge
 
 BASE = yaml.safe_load(open(rollout.REPO / rollout.CONFIG))
 

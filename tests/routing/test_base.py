@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.block_hashes import prefix_block_hashes
 from serve_app.engines import simulated_llm
+from serve_app.kvcache.block_hashes import prefix_block_hashes
 from serve_app.routing import POLICY_NAMES, ReplicaView, build_policy
 from serve_app.routing.base import bounded_load_order
 from serve_app.routing.prefix_affinity import PrefixAffinityPolicy

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from serve_app.routing import ReplicaView, RouteRequest
-from serve_app.routing.base import build_policy
+from serve_app.routing.registry import build_policy
 
 REQUEST = RouteRequest(())
 

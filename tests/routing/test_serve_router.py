@@ -20,9 +20,9 @@ from ray.serve._private.test_utils import FakeRunningReplica
 from ray.serve.request_router import PendingRequest
 
 from serve_app import tokenizer
-from serve_app.block_hashes import prefix_block_hashes
 from serve_app.bridge import pool_bridge, replica_backend, reset_bridges
-from serve_app.kv_events import EngineLoad, KvEventPublisher
+from serve_app.kvcache.block_hashes import prefix_block_hashes
+from serve_app.kvcache.events import EngineLoad, KvEventPublisher
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.breaker import BreakerSettings, Outcome
 from serve_app.resilience.client import BreakerClient

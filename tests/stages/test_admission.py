@@ -6,15 +6,15 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serve_app import warm_slots
-from serve_app.config import TenantConfig
+from serve_app.admission import warm_slots
+from serve_app.admission.client import Lease, LocalSchedulerClient
+from serve_app.admission.scheduler import FairScheduler, Shed, TenantShare
+from serve_app.admission.warm_slots import WarmSlots
+from serve_app.config.models import TenantConfig
 from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.protocol import ChatCompletionRequest
-from serve_app.scheduler import FairScheduler, Shed, TenantShare
-from serve_app.scheduler_client import Lease, LocalSchedulerClient
 from serve_app.stages.admission import AdmissionStage
-from serve_app.warm_slots import WarmSlots
 from tests.doubles import RecordingMetrics
 from tests.polling import eventually_async
 

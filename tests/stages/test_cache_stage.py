@@ -21,12 +21,12 @@ import openai
 import pytest
 from openai.types import CompletionUsage
 
-from serve_app.auth import hash_key
-from serve_app.config import load_config
-from serve_app.gateway import Gateway
+from serve_app.auth.keys import hash_key
+from serve_app.config.models import load_config
+from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
 from serve_app.mock_openai import create_mock_app
-from serve_app.quota import TenantQuota
+from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.store import GuardedStore, MemoryStore, Store
 from tests.doubles import Clock, DownStore, RecordingMetrics
 from tests.polling import eventually_async
@@ -476,7 +476,7 @@ async def test_while_the_pools_engine_is_unknown_or_changing_nothing_is_kept_or_
     two engines serve (a roll), requests bypass the cache; then it keys by the new engine."""
     from starlette.responses import JSONResponse
 
-    from serve_app.config import CacheConfig, TenantConfig
+    from serve_app.config.models import CacheConfig, TenantConfig
     from serve_app.metrics import ForgeMetrics
     from serve_app.stages.cache import CachedPool, CacheStage
     from serve_app.store import MemoryStore

@@ -7,7 +7,7 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serve_app.config import GatewayConfig
+from serve_app.config.models import GatewayConfig
 from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.stages.parse import ParseStage

@@ -8,13 +8,13 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.config import TenantConfig
+from serve_app.config.models import TenantConfig
 from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.protocol import ChatCompletionRequest
-from serve_app.quota import TenantQuota
 from serve_app.stages import quota as quota_module
 from serve_app.stages.quota import QuotaStage
+from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.store import MemoryStore, StoreError
 from tests.doubles import DownStore, RecordingMetrics
 

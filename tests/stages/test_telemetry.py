@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from serve_app import errors
-from serve_app.config import TenantConfig
+from serve_app.config.models import TenantConfig
 from serve_app.pipeline import EventStream, RequestContext
 from serve_app.stages.telemetry import TelemetryStage
 from tests.doubles import RecordingMetrics, chunk, make_ctx

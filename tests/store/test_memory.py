@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from serve_app.config import StoreConfig
+from serve_app.config.models import StoreConfig
 from serve_app.store import Bucket, MemoryStore, build_store
 from serve_app.store.base import MIN_BUCKET_TTL_S
 from serve_app.store.memory import SWEEP_BATCH, SWEEP_INTERVAL_S

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-
 import pytest_asyncio
 
 from serve_app import errors
-from serve_app.config import VLLMEngineConfig
+from serve_app.config.models import VLLMEngineConfig
 from serve_app.engines.vllm_engine import VLLMEngine
 from serve_app.tools.tiny_model import vllm_engine_config
 

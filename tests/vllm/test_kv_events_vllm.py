@@ -13,10 +13,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-
 
 import pytest_asyncio
 
-from serve_app.block_hashes import prefix_block_hashes
-from serve_app.config import VLLMEngineConfig
+from serve_app.config.models import VLLMEngineConfig
 from serve_app.engines.vllm_engine import VLLMEngine, _KvEventRelay
-from serve_app.kv_events import EngineLoad, KvEventPublisher
+from serve_app.kvcache.block_hashes import prefix_block_hashes
+from serve_app.kvcache.events import EngineLoad, KvEventPublisher
 from serve_app.routing.kv_index import KvIndex
 from serve_app.tools.tiny_model import vllm_engine_config
 from tests.polling import eventually_async

@@ -1,0 +1,113 @@
+"""The scheduler deployment: one ``FairScheduler`` per pool, shared by every gateway replica
+(which reaches it through ``ServeSchedulerClient``, ``admission/client.py``).
+
+A Serve deployment with exactly one replica rather than a detached actor: it lives and dies
+with the application (a redeploy replaces it, Serve restarts it if its health check fails), it
+shows in the Serve dashboard next to the pool it guards, and the gateway reaches it through an
+ordinary handle wired in the app builder. Slot state is in memory on purpose: after a restart,
+every lease is gone and the pool starts with all slots free, which errs towards admitting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from serve_app.admission.client import (
+    LocalSchedulerClient,
+    SlotOp,
+    admission_view,
+    apply_ops,
+    fair_scheduler,
+)
+from serve_app.config.digest import settings_digest
+from serve_app.config.models import AdmissionConfig, TenantConfig
+from serve_app.metrics import gauge
+
+_EXPORT_EVERY_S = 1.0
+
+
+class SchedulerDeployment:
+    def __init__(self, pool: str, admission: dict, tenants: list[dict]) -> None:
+        self.pool = pool
+        config = AdmissionConfig.model_validate(admission)
+        self.local = LocalSchedulerClient(
+            fair_scheduler(config, map(TenantConfig.model_validate, tenants)), config.deadline_s
+        )
+        self.scheduler = self.local.scheduler
+        self._applied = settings_digest(admission, tenants)
+        self._queue_depth = gauge(
+            "forge_queue_depth",
+            "Requests waiting for a slot, by pool and tenant.",
+            "pool",
+            "tenant",
+        )
+        self._slots = gauge("forge_slots_in_use", "Admission slots held, by pool.", "pool")
+        self._parked = gauge(
+            "forge_slots_parked",
+            "Slots held by gateway replicas between requests, by pool (in slots_in_use).",
+            "pool",
+        )
+        self._slots_total = gauge("forge_slots_total", "Admission slots a pool has.", "pool")
+        self._housekeeping: asyncio.Task | None = None
+
+    def _ensure_housekeeping(self) -> None:
+        if self._housekeeping is None or self._housekeeping.done():
+            self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
+
+    async def _housekeep(self) -> None:
+        """Reclaim dead holders' slots and export gauges; the only periodic work. Its cost
+        follows the tenants waiting, not the tenants configured (10,000 of them took 24 ms a
+        pass on this loop when every tenant's gauge was set each second)."""
+        shown: set[str] = set()  # tenants whose queue gauge was last set above zero
+        scheduler, pool = self.scheduler, {"pool": self.pool}
+        while True:
+            scheduler.expire_leases()
+            queued = scheduler.queued_by_tenant()
+            for tenant in shown - queued.keys():
+                self._queue_depth.set(0, tags={**pool, "tenant": tenant})
+            for tenant, depth in queued.items():
+                self._queue_depth.set(depth, tags={**pool, "tenant": tenant})
+            shown = set(queued)
+            self._slots.set(scheduler.slots_used, tags=pool)
+            self._parked.set(scheduler.parked, tags=pool)
+            self._slots_total.set(scheduler.max_inflight, tags=pool)
+            await asyncio.sleep(_EXPORT_EVERY_S)
+
+    async def acquire(
+        self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()
+    ) -> tuple[str, float, bool]:
+        """A lease id, its TTL and whether the pool was contended, or ``scheduler.Shed``
+        (raised through the handle)."""
+        self._ensure_housekeeping()
+        lease = await self.local.acquire(tenant, tier, ops)
+        return lease.lease_id, lease.ttl_s, lease.contended
+
+    def sync(self, ops: list[SlotOp]) -> tuple[bool, tuple[str, ...]]:
+        self._ensure_housekeeping()
+        reply = apply_ops(self.scheduler, ops)
+        return reply.contended, reply.lost
+
+    async def until_contended(self) -> None:
+        await self.scheduler.until_contended()
+
+    async def renew(self, lease_id: str) -> bool:
+        return await self.local.renew(lease_id)
+
+    async def configure(self, admission: dict, tenants: list[dict]) -> bool:
+        """A live change from the gateway (each gateway replica sends the same one, and sends
+        it again now and then: a restarted scheduler catches up). True if it changed anything."""
+        digest = settings_digest(admission, tenants)
+        if digest == self._applied:
+            return False
+        await self.local.configure(admission, tenants)
+        self._applied = digest
+        return True
+
+    def snapshot(self) -> dict:
+        snap = self.scheduler.snapshot()
+        return admission_view(snap) | {
+            "granted": snap.granted,
+            "shed": {f"{t}:{r}": n for (t, r), n in snap.shed.items()},
+            "expired_leases": snap.expired_leases,
+        }

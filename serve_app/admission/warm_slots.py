@@ -1,0 +1,218 @@
+"""Slots kept warm on a gateway replica: uncontended admission without a round trip.
+
+A finished request's slot goes back to the pool's scheduler, unless nobody is queued there:
+then this gateway replica keeps it (parks it) for its own next request, which takes it at once
+and tells the scheduler afterwards (a claim, riding on the next message). A pool with free slots
+thus admits in microseconds, and the scheduler's fair queues take over as soon as anyone waits:
+
+- every answer from the scheduler says whether someone is queued, and while slots are parked a
+  watch (``until_contended``) pushes it; either way every parked slot goes back and this replica
+  sends its requests through the scheduler for ``CONTENDED_HOLD_S``;
+- a parked slot unused for ``keep_warm_s`` goes back;
+- the budget stays the scheduler's: parked slots are held leases, so ``max_inflight`` bounds
+  parked plus in use across every gateway replica, and a dead replica's leases expire as before;
+- a tenant takes a parked slot only while it holds fewer than its cap on this replica.
+
+The price: for one round trip after a queue forms (the watch's news), this replica may still
+admit from its parked slots, and on the fast path a tenant's cap is enforced per replica (the
+scheduler counts claims when they arrive).
+
+What the scheduler must hear is batched, latest op per slot: a release rides on this replica's
+next acquire or goes alone after at most ``FLUSH_S`` (someone may be waiting for that slot);
+claims and parks change only the scheduler's per-tenant books, not the budget, so they wait up to
+``BOOKS_FLUSH_S`` (and go at once when a queue forms). A replica busy on parked slots thus makes
+about one scheduler call a second, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from serve_app.admission.client import Lease, SchedulerClient, SlotOp
+from serve_app.admission.scheduler import Shed
+
+FLUSH_S = 0.005  # longest a release waits for a ride on an acquire before it is sent alone
+BOOKS_FLUSH_S = 1.0  # the same for claims and parks: the scheduler's per-tenant books
+CONTENDED_HOLD_S = 1.0  # after news of a queue, this long through the scheduler only
+
+
+class WarmSlots:
+    """One pool's slots as seen from one gateway replica; the admission stage's only door."""
+
+    def __init__(
+        self,
+        client: SchedulerClient,
+        *,
+        tenant_cap: int,
+        keep_warm_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.tenant_cap = tenant_cap
+        self.keep_warm_s = keep_warm_s
+        self._clock = clock
+        self._parked: dict[str, float] = {}  # lease id → when parked; oldest first
+        self._lent: dict[str, str] = {}  # lease id → tenant, for slots taken from the park
+        self._lent_to: Counter[str] = Counter()
+        self._ttl_s = 0.0
+        self._ops: dict[str, SlotOp] = {}  # lease id → its latest op not yet sent
+        self._contended_until = 0.0
+        self._flush: asyncio.TimerHandle | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+        self._watch: asyncio.Task | None = None
+        self._sending: set[asyncio.Task] = set()
+
+    # -- the admission stage's calls -------------------------------------------------------------
+
+    def take_parked(self, tenant: str, tier: str) -> Lease | None:
+        """A parked slot for ``tenant`` now, or None: ask the scheduler (``acquire``)."""
+        if not self._parked or self._clock() < self._contended_until:
+            return None
+        if self._lent_to[tenant] >= self.tenant_cap:
+            return None
+        lease_id, _ = self._parked.popitem()  # the newest: its lease was renewed last
+        self._lend(lease_id, tenant)
+        self._send_soon(("claim", lease_id, tenant, tier))
+        return Lease(lease_id, self._ttl_s)
+
+    async def acquire(self, tenant: str, tier: str) -> Lease:
+        """A slot from the scheduler (maybe after a wait in the tenant's queue), or ``Shed``."""
+        ops = self._take_ops()
+        try:
+            lease = await self.client.acquire(tenant, tier, ops)
+        except BaseException as exc:
+            # Shed: the ops were applied first. Anything else may not have reached the
+            # scheduler: send them again (claim, park and release are safe to repeat).
+            if not isinstance(exc, Shed):
+                self._requeue(ops)
+            raise
+        self._ttl_s = lease.ttl_s
+        if lease.contended:
+            self._on_contended()
+        self._lend(lease.lease_id, tenant)
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        """The request is done with its slot: park it here, or give it back if anyone waits."""
+        tenant = self._lent.pop(lease_id, None)
+        if tenant is None:
+            return
+        self._lent_to[tenant] -= 1
+        if self._lent_to[tenant] <= 0:
+            del self._lent_to[tenant]
+        now = self._clock()
+        if self.keep_warm_s > 0 and now >= self._contended_until:
+            self._parked[lease_id] = now
+            self._send_soon(("park", lease_id))
+            self._watch_for_queues()
+            self._sweep_later(self.keep_warm_s)
+        else:
+            self._send_soon(("release", lease_id))
+
+    async def renew(self, lease_id: str) -> bool:
+        return await self.client.renew(lease_id)
+
+    async def aclose(self) -> None:
+        """Give every parked slot back (a replica shutting down) and stop watching."""
+        if self._watch is not None:
+            self._watch.cancel()
+        self._give_back_parked()
+        ops = self._take_ops()
+        if ops:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.sync(ops), 2.0)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _lend(self, lease_id: str, tenant: str) -> None:
+        self._lent[lease_id] = tenant
+        self._lent_to[tenant] += 1
+
+    def _send_soon(self, op: SlotOp) -> None:
+        self._ops[op[1]] = op  # only the latest op on a slot matters: it says where it is now
+        delay = FLUSH_S if op[0] == "release" else BOOKS_FLUSH_S
+        loop = asyncio.get_running_loop()
+        if self._flush is None or self._flush.when() > loop.time() + delay:
+            if self._flush is not None:
+                self._flush.cancel()
+            self._flush = loop.call_later(delay, self._send_now)
+
+    def _take_ops(self) -> list[SlotOp]:
+        ops = list(self._ops.values())
+        self._ops.clear()
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        return ops
+
+    def _requeue(self, ops: list[SlotOp]) -> None:
+        """Ops that may not have arrived, behind any made since (those are newer)."""
+        older = {op[1]: op for op in ops if op[1] not in self._ops}
+        self._ops = {**older, **self._ops}
+
+    def _send_now(self) -> None:
+        self._flush = None
+        ops = self._take_ops()
+        if ops:
+            task = asyncio.get_running_loop().create_task(self._sync(ops))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _sync(self, ops: list[SlotOp]) -> None:
+        try:
+            reply = await self.client.sync(ops)
+        except Exception:
+            # Unreachable: keep them for the next message; the leases expire if it never comes.
+            self._requeue(ops)
+            return
+        for lease_id in reply.lost:
+            self._parked.pop(lease_id, None)
+        if reply.contended:
+            self._on_contended()
+
+    def _on_contended(self) -> None:
+        self._contended_until = self._clock() + CONTENDED_HOLD_S
+        self._give_back_parked()
+        self._send_now()  # the books too: the scheduler now picks by them
+
+    def _give_back_parked(self) -> None:
+        for lease_id in self._parked:
+            self._ops[lease_id] = ("release", lease_id)
+        self._parked.clear()
+
+    def _watch_for_queues(self) -> None:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_queues())
+
+    async def _watch_queues(self) -> None:
+        try:
+            await self.client.until_contended()
+        except Exception:
+            return  # unreachable: parked slots still go back after keep_warm_s
+        self._on_contended()
+
+    def _sweep_later(self, delay_s: float) -> None:
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(delay_s, self._sweep_idle)
+
+    def _sweep_idle(self) -> None:
+        """Give back slots parked longer than ``keep_warm_s``; come back for the rest."""
+        self._sweep = None
+        cutoff = self._clock() - self.keep_warm_s
+        stale = [lease_id for lease_id, since in self._parked.items() if since <= cutoff]
+        for lease_id in stale:
+            del self._parked[lease_id]
+            self._ops[lease_id] = ("release", lease_id)
+        if stale:
+            self._send_now()
+        if self._parked:
+            oldest = next(iter(self._parked.values()))
+            self._sweep_later(max(0.001, oldest + self.keep_warm_s - self._clock()))

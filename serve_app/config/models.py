@@ -1,0 +1,619 @@
+"""Forge's configuration: the ``args`` of a Ray Serve config file, validated at start-up.
+
+Config is data. A mistake stops the application before it serves, with a message that names
+the field (``pools.0.engine.max_num_seqs: Input should be greater than 0``). Only secrets and
+endpoints come from the environment, and only by the variable names written here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from serve_app.routing.registry import POLICY_NAMES, build_policy
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_key_hash(value: object) -> bool:
+    """A lowercase SHA-256 hex digest, the only form an API key is ever stored in."""
+    return isinstance(value, str) and _SHA256.match(value) is not None
+
+
+def _key_hashes(hashes: list[str]) -> list[str]:
+    if not all(is_key_hash(h) for h in hashes):
+        raise ValueError(
+            "each key hash must be a lowercase SHA-256 hex digest (64 chars); "
+            "run `forge keys new --tenant NAME` to make one"
+        )
+    return hashes
+
+
+# API keys as stored: SHA-256 digests only (tenants' and operators').
+KeyHashes = Annotated[list[str], AfterValidator(_key_hashes)]
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantLimits(_Strict):
+    """A tenant's budgets. Unset means unlimited; bursts default to one minute's worth."""
+
+    rpm: Annotated[int, Field(gt=0)] | None = None
+    tpm: Annotated[int, Field(gt=0)] | None = None
+    burst_requests: Annotated[int, Field(gt=0)] | None = None
+    burst_tokens: Annotated[int, Field(gt=0)] | None = None
+    # Requests in flight at once (streaming or not): each holds a lease until it ends.
+    max_concurrent_streams: Annotated[int, Field(gt=0)] | None = None
+
+
+class TenantConfig(_Strict):
+    name: Annotated[str, Field(pattern=_NAME)]
+    # Fair admission: share of contended slots, queue length, priority tier.
+    tier: Literal["interactive", "batch"] = "interactive"
+    # Whether requests may pick their tier with ``x-forge-priority: interactive|batch``.
+    allow_priority_header: bool = False
+    queue_cap: Annotated[int, Field(ge=0)] | None = None
+    # SHA-256 hex digests of the tenant's API keys; two while a key is rotated. May be empty
+    # when the tenant's hashes come from the mounted ``key_hashes_file``.
+    key_hashes: KeyHashes = Field(default_factory=list)
+    weight: Annotated[float, Field(gt=0)] = 1.0
+    limits: TenantLimits = TenantLimits()
+    # Whose cached answers this tenant may be served: its own only ("tenant"), or those of every
+    # tenant that also chose "shared" (same prompts, same model, one answer: cheaper, but a
+    # tenant can then tell what another asked before).
+    cache_scope: Literal["tenant", "shared"] = "tenant"
+
+
+class SimulatedEngineConfig(_Strict):
+    """The simulated vLLM's shape and timing (see ``engines/simulated_llm.py``)."""
+
+    kind: Literal["simulated"] = "simulated"
+    max_num_seqs: Annotated[int, Field(gt=0)] = 8
+    block_size: Annotated[int, Field(gt=0)] = 16
+    num_kv_blocks: Annotated[int, Field(gt=0)] = 4096
+    max_model_len: Annotated[int, Field(gt=0)] = 8192
+    prefill_base_s: Annotated[float, Field(ge=0)] = 0.0
+    prefill_per_token_s: Annotated[float, Field(ge=0)] = 0.0
+    decode_base_s: Annotated[float, Field(ge=0)] = 0.0
+    decode_per_seq_s: Annotated[float, Field(ge=0)] = 0.0
+    output_tokens_min: Annotated[int, Field(ge=1)] = 16
+    output_tokens_max: Annotated[int, Field(ge=1)] = 64
+    # Chunked prefill's budget: tokens computed per step, decodes one each (vLLM's default).
+    max_num_batched_tokens: Annotated[int, Field(gt=0)] = 2048
+    # Length of the vectors a ``task: embed`` pool returns (``engines/embeddings.py``).
+    embedding_dim: Annotated[int, Field(gt=0)] = 384
+
+    @model_validator(mode="after")
+    def _ranges(self) -> SimulatedEngineConfig:
+        if self.output_tokens_max < self.output_tokens_min:
+            raise ValueError("output_tokens_max must be >= output_tokens_min")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (as in vLLM)")
+        return self
+
+
+class VLLMEngineConfig(_Strict):
+    """The real vLLM, in the replica's process (see ``engines/vllm_engine.py``).
+
+    The served model name is the pool's ``model``. The fields here are the vLLM engine arguments
+    Forge itself depends on; anything else goes in ``engine_args`` under vLLM's own (Python)
+    argument names, e.g. ``{kv_cache_memory_bytes: 268435456, quantization: awq}``.
+    """
+
+    kind: Literal["vllm"]
+    # A local directory or a Hugging Face id (the image or a volume must already hold it).
+    model: Annotated[str, Field(min_length=1)]
+    # Sent to vLLM explicitly (never its default), because Forge uses both: the replica's
+    # Serve queue is sized from max_num_seqs, and the routers hash prompts in block_size blocks.
+    max_num_seqs: Annotated[int, Field(gt=0)] = 16
+    block_size: Annotated[int, Field(gt=0)] = 16
+    max_model_len: Annotated[int, Field(gt=0)] | None = None  # None: the model's own
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    enforce_eager: bool = False
+    # Prefix-affinity and KV-aware routing only pay off with vLLM's prefix cache on.
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    # vLLM's own vllm:* metrics go to Ray's metrics agent (and so to the cluster's Prometheus),
+    # as Ray Serve LLM does; off, they stay in the replica process's Prometheus registry.
+    export_metrics_to_ray: bool = True
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _no_shadowed_args(self) -> VLLMEngineConfig:
+        shadowed = sorted(set(self.engine_args) & (set(type(self).model_fields) | {"model"}))
+        if shadowed:
+            raise ValueError(f"engine_args {shadowed} have their own fields; set them there")
+        return self
+
+
+_ENGINE_CONFIGS: dict[str, type[_Strict]] = {
+    "simulated": SimulatedEngineConfig,
+    "vllm": VLLMEngineConfig,
+}
+
+
+def _engine_config(value: Any) -> SimulatedEngineConfig | VLLMEngineConfig:
+    """Pick the engine's config class by ``kind`` (absent: simulated).
+
+    A discriminated union by hand: pydantic's own puts the tag in every error's location
+    (``pools.0.engine.simulated.max_num_seqs``); this keeps ``pools.0.engine.max_num_seqs``.
+    """
+    if isinstance(value, SimulatedEngineConfig | VLLMEngineConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("engine must be a mapping with a kind: simulated or vllm")
+    kind = value.get("kind", "simulated")
+    config_class = _ENGINE_CONFIGS.get(kind) if isinstance(kind, str) else None
+    if config_class is None:
+        raise ValueError(f"engine.kind must be one of {sorted(_ENGINE_CONFIGS)}, not {kind!r}")
+    return config_class.model_validate(value)
+
+
+EngineConfig = Annotated[SimulatedEngineConfig | VLLMEngineConfig, BeforeValidator(_engine_config)]
+
+
+class AdmissionConfig(_Strict):
+    """Fair admission in front of a pool: its slot budget and how requests wait for it."""
+
+    max_inflight: Annotated[int, Field(gt=0)]
+    queue_cap: Annotated[int, Field(ge=0)] = 8  # per tenant, unless the tenant sets its own
+    deadline_s: Annotated[float, Field(gt=0)] = 10.0  # longest wait in a queue before a 429
+    lease_ttl_s: Annotated[float, Field(gt=0)] = 30.0  # a dead gateway's slots come back after
+    max_queued_total: Annotated[int, Field(gt=0)] | None = None
+    batch_every: Annotated[int, Field(ge=2)] = 5  # while both tiers wait, 1 grant in N is batch
+    # Most of the slots one tenant may hold: the rest is headroom for others to start at once.
+    max_tenant_share: Annotated[float, Field(gt=0, le=1)] = 1.0
+    # How long a gateway replica keeps a finished request's slot for its next request while
+    # nobody is queued (admission without a scheduler call; admission/warm_slots.py). 0: never.
+    keep_warm_s: Annotated[float, Field(ge=0)] = 10.0
+
+    @model_validator(mode="after")
+    def _parked_slots_outlive_no_lease(self) -> AdmissionConfig:
+        if self.keep_warm_s > self.lease_ttl_s / 2:
+            raise ValueError(
+                f"keep_warm_s ({self.keep_warm_s}) must be at most half of lease_ttl_s "
+                f"({self.lease_ttl_s}): a parked slot is not renewed"
+            )
+        return self
+
+
+class RoutingConfig(_Strict):
+    """How a pool's replica is chosen for each request (see ``serve_app/routing/``)."""
+
+    # The registry's names (``routing.registry.POLICY_NAMES``): one list, not two to keep in step.
+    policy: Literal[POLICY_NAMES] = "power_of_two"  # Serve's own, run by Forge's router
+    options: dict[str, Any] = Field(default_factory=dict)  # the policy's constructor arguments
+    # How often replicas report their load and cache state to the routers.
+    stats_period_s: Annotated[float, Field(gt=0)] = 1.0
+
+    @model_validator(mode="after")
+    def _policy_builds(self) -> RoutingConfig:
+        """The policy is built here as the routers will build it: a bad option fails the config
+        with its name, not a router in every gateway (a pool that never becomes routable)."""
+        options = dict(self.options)
+        route_blocks = options.pop("route_blocks", 128)  # the router's own, not the policy's
+        if not isinstance(route_blocks, int) or isinstance(route_blocks, bool) or route_blocks < 1:
+            raise ValueError(f"options.route_blocks must be an integer >= 1, got {route_blocks!r}")
+        try:
+            build_policy(self.policy, **options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"options: {exc}") from None
+        return self
+
+
+class BreakerConfig(_Strict):
+    """Circuit breakers (per replica, per pool, for the fallback): when a backend is known dead."""
+
+    failure_threshold: Annotated[int, Field(gt=0)] = 5  # consecutive failures open it
+    failure_ratio: Annotated[float, Field(gt=0, le=1)] = 0.5  # ... or this share over the window
+    window_s: Annotated[float, Field(gt=0)] = 10.0
+    min_requests: Annotated[int, Field(gt=0)] = 20  # outcomes needed before the ratio counts
+    cooldown_s: Annotated[float, Field(gt=0)] = 5.0  # open → half-open (one probe)
+    probe_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # an unanswered probe is released
+
+
+class RetryBudgetConfig(_Strict):
+    """Retries (another replica or the fallback, before byte one) stay under this share."""
+
+    ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    window_s: Annotated[float, Field(gt=0)] = 10.0
+    # Per window and gateway replica, for quiet times: at least the failures that open a breaker
+    # (ResilienceConfig checks), or a quiet pool's outage reaches clients before its breaker opens.
+    min_retries: Annotated[int, Field(ge=0)] = 5
+
+
+class ResilienceConfig(_Strict):
+    breaker: BreakerConfig = BreakerConfig()
+    retry_budget: RetryBudgetConfig = RetryBudgetConfig()
+    # How stale a gateway replica's copy of the shared breaker states may get (failures and
+    # probe results are pushed at once; this bounds how late *other* replicas hear of them).
+    sync_interval_s: Annotated[float, Field(gt=0)] = 0.5
+    # How often the fallback's health endpoint is probed while no traffic tells us.
+    fallback_probe_interval_s: Annotated[float, Field(gt=0)] = 10.0
+
+    @model_validator(mode="after")
+    def _budget_covers_a_trip(self) -> ResilienceConfig:
+        """Each failure before a breaker opens is a retry or a client's error: a floor below the
+        threshold makes every outage at low traffic visible to clients."""
+        need = self.breaker.failure_threshold
+        if self.retry_budget.min_retries < need:
+            raise ValueError(
+                f"retry_budget.min_retries ({self.retry_budget.min_retries}) must be at least "
+                f"breaker.failure_threshold ({need}): the failures that open a breaker are "
+                "retried on the fallback, and at low traffic the floor is the whole budget"
+            )
+        return self
+
+
+class PoolConfig(_Strict):
+    """A primary pool: one replica deployment serving one model."""
+
+    name: Annotated[str, Field(pattern=_NAME)] = "primary"
+    model: Annotated[str, Field(min_length=1)]
+    # What the model does: "generate" serves /v1/chat/completions and /v1/completions, "embed"
+    # serves /v1/embeddings (vLLM's pooling runner; the simulator's deterministic vectors).
+    task: Literal["generate", "embed"] = "generate"
+    engine: EngineConfig = SimulatedEngineConfig()
+    # Default for requests that omit max_tokens.
+    default_max_tokens: Annotated[int, Field(gt=0)] = 256
+    # A replica must take the request by then (assignment; a pool at capacity or being replaced).
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    # A replica that has not started answering by then is failed over (never a hang).
+    first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # A stream that goes this long without a token has hung (a slow one has not).
+    idle_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    # Total deadline of a request, streaming or not: long enough for the longest healthy answer.
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # Whether requests for this pool's model may be served by the fallback backend. Never for
+    # an embedding pool: another model's vectors live in another space, so an index built from
+    # this pool's would silently stop matching.
+    fallback: bool = True
+    admission: AdmissionConfig | None = None
+    routing: RoutingConfig = RoutingConfig()
+    # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
+    # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
+    deployment: dict[str, Any] = Field(default_factory=dict)
+    # The Serve application the pool runs in, when not the gateway's own (``serve_app.app:
+    # build_pool``, its args ``{pool: {...}}``). Serve versions an application's deployments by
+    # its whole args, so a pool in the gateway's application is replaced by any change there,
+    # and replaces the gateway when it changes; in its own application, a change to its engine
+    # or deployment rolls that pool alone. The gateway finds ``pool-<name>`` there by name.
+    app: Annotated[str, Field(pattern=_NAME)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _runs_elsewhere(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("app") is not None:
+            theirs = sorted(POOL_APP_FIELDS & set(data))
+            if theirs:
+                raise ValueError(
+                    f"pool {data.get('name', 'primary')}: {', '.join(theirs)}: set in "
+                    f"application {data['app']!r}'s args (the pool runs there), not in the "
+                    "gateway's"
+                )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embeddings_never_fail_over(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("task") == "embed":
+            if data.get("fallback") is True:
+                raise ValueError(
+                    f"pool {data.get('name', 'primary')}: an embedding pool cannot fail over "
+                    "(the fallback's vectors are not comparable with this model's); drop "
+                    "'fallback: true'"
+                )
+            data = {**data, "fallback": False}
+        return data
+
+    def engine_identity(self) -> str:
+        """What the pool's answers depend on besides the request: the weights and their
+        revision for vLLM, the whole engine config for the simulator. Part of every cache key,
+        so a new model or revision never replays the old one's answers."""
+        engine = self.engine
+        if isinstance(engine, VLLMEngineConfig):
+            revision = engine.engine_args.get("revision") or ""
+            return f"vllm:{engine.model}@{revision}:{engine.engine_args.get('quantization') or ''}"
+        return "simulated:" + engine.model_dump_json()
+
+
+# What a pool in its own application sets there (``PoolConfig.app``); the gateway's entry keeps
+# what the gateway uses: model, task, timeouts, fallback, admission.
+POOL_APP_FIELDS = frozenset({"engine", "routing", "deployment"})
+
+
+# The chat parameters Gemini's OpenAI-compatible endpoint documents (Vertex AI, "Using OpenAI
+# libraries": supported parameters); it refuses any other top-level field with a 400 ("Unknown
+# name ... Cannot find field"). `extra_body` is how Gemini-specific options travel.
+GEMINI_PARAMS: tuple[str, ...] = (
+    "model",
+    "messages",
+    "prompt",  # /v1/completions bodies, for upstreams that serve it
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "reasoning_effort",
+    "response_format",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "web_search_options",
+    "modalities",
+    "audio",
+    "extra_body",
+)
+
+
+class FallbackConfig(_Strict):
+    """An external OpenAI-compatible backend (Gemini in production, the mock on a laptop)."""
+
+    base_url: Annotated[str, Field(pattern=r"^https?://")]
+    # The upstream's model name; requests for a pool's model are rewritten to it on failover.
+    model: Annotated[str, Field(min_length=1)]
+    # Name of the environment variable holding the API key (a secret: never in config).
+    api_key_env: str | None = None
+    # How Forge authenticates upstream: "api_key" (a bearer key from ``api_key_env``),
+    # "gcp_metadata" (a short-lived token from the GCE/GKE metadata server: workload identity,
+    # no secret to rotate) or "none". Unset: "api_key" when ``api_key_env`` is set, else "none".
+    auth: Literal["none", "api_key", "gcp_metadata"] = "none"
+    # Where "gcp_metadata" fetches its token; overridable so tests can run a fake server.
+    metadata_url: Annotated[str, Field(pattern=r"^https?://")] = (
+        "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+    )
+    # What the readiness probe GETs, relative to ``base_url``. None for an upstream with nothing
+    # to GET (Vertex AI's OpenAI endpoint): the probe then checks only the credentials.
+    health_path: str | None = "models"
+    # The four timeouts: connect, first token, idle between tokens (a read), total deadline.
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    first_token_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    read_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    max_connections: Annotated[int, Field(gt=0)] = 256
+    # The top-level request fields the upstream takes; others (vLLM's sampling extensions such as
+    # top_k or ignore_eos, `user`, `logit_bias`, `parallel_tool_calls`, ...) are dropped on the
+    # way out, so a failover never turns into a client's 400 over a field. None: forward all.
+    accepted_params: tuple[str, ...] | None = GEMINI_PARAMS
+    # The OpenAI routes the upstream serves; a pool's request on another route is not failed
+    # over (its own error stands, not the upstream's 404). Gemini serves chat only.
+    kinds: tuple[Literal["chat", "completion"], ...] = ("chat",)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_auth(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("auth") is None:
+            return {**data, "auth": "api_key" if data.get("api_key_env") else "none"}
+        return data
+
+    @model_validator(mode="after")
+    def _auth_mode(self) -> FallbackConfig:
+        if self.auth == "api_key" and not self.api_key_env:
+            raise ValueError("auth 'api_key' needs api_key_env (the variable holding the key)")
+        if self.auth != "api_key" and self.api_key_env:
+            raise ValueError(f"api_key_env is only used with auth 'api_key', not {self.auth!r}")
+        return self
+
+
+class CacheConfig(_Strict):
+    """The response cache (``stages/cache_rules.py``): deterministic answers, kept per tenant."""
+
+    enabled: bool = True
+    ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+    # An answer larger than this is served but not kept.
+    max_entry_bytes: Annotated[int, Field(gt=0)] = 256 * 1024
+    # The embedded store's total for cached answers (least recently used go first); Redis is
+    # bounded by its own maxmemory policy.
+    max_memory_bytes: Annotated[int, Field(gt=0)] = 64 * 1024 * 1024
+
+
+class ModelPrice(_Strict):
+    """What a model's tokens cost, per million: what ``forge usage`` multiplies by."""
+
+    prompt_per_million: Annotated[float, Field(ge=0)] = 0.0
+    completion_per_million: Annotated[float, Field(ge=0)] = 0.0
+    # Tokens answered from the cache; by default free (nothing was generated).
+    cached_per_million: Annotated[float, Field(ge=0)] = 0.0
+
+
+class MeteringConfig(_Strict):
+    """Usage per tenant, model and day, kept in the store (``serve_app/metering/ledger.py``)."""
+
+    enabled: bool = True
+    # How long a day's counts are kept: long enough for a year's invoices and their disputes.
+    retention_days: Annotated[int, Field(gt=0, le=3660)] = 400
+    # How often a gateway replica writes its queued usage (one store call per tenant and day):
+    # a report lags by about this much, and a replica that dies loses at most this much.
+    flush_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    currency: str = "USD"
+    prices: dict[str, ModelPrice] = Field(default_factory=dict)  # served model name → price
+
+
+class AdminConfig(_Strict):
+    """Operators' keys for ``/admin/*`` (kept as SHA-256 digests, like tenants' keys)."""
+
+    key_hashes: KeyHashes = Field(default_factory=list)
+    # A mounted secret with more: YAML or JSON ``[sha256, ...]``.
+    key_hashes_file: str | None = None
+
+
+class StoreConfig(_Strict):
+    """Where quotas live: Redis when configured, else the embedded (one-process) store."""
+
+    # The Redis endpoint, directly or (preferred, it may hold a password) by env variable name.
+    # Naming a variable is configuring Redis: if it is unset at start-up, start-up fails; the
+    # embedded store is never a silent substitute (it would give each gateway its own budget).
+    redis_url: str | None = None
+    redis_url_env: str | None = None
+    key_prefix: str = "forge:"
+    # Per call: the store is on the request path and fails open, so slow means gone.
+    timeout_s: Annotated[float, Field(gt=0)] = 0.05
+    # Off the request path (usage writes, usage reports), a slow reply is worth waiting for.
+    background_timeout_s: Annotated[float, Field(gt=0)] = 1.0
+    # When a store that stops answering is skipped (each call failing at once, served
+    # unmetered) and how soon one call probes it again (``store/guarded.py``).
+    breaker: BreakerConfig = BreakerConfig(failure_threshold=3, cooldown_s=1.0, probe_timeout_s=5.0)
+
+    @property
+    def shared(self) -> bool:
+        """Whether a shared store (Redis) is configured, resolvable or not."""
+        return bool(self.redis_url or self.redis_url_env)
+
+    def resolved_url(self) -> str | None:
+        """The Redis URL, or None for the embedded store; ``ConfigError`` when Redis is
+        configured by a variable that is not set (and no ``redis_url`` stands in for it)."""
+        import os
+
+        if self.redis_url_env and os.environ.get(self.redis_url_env):
+            return os.environ[self.redis_url_env]
+        if self.redis_url_env and not self.redis_url:
+            raise ConfigError(
+                f"store.redis_url_env names {self.redis_url_env}, which is not set in the "
+                "gateway's environment: set it to the Redis URL (redis://host:6379/0), or remove "
+                "store.redis_url_env to use the embedded store (one gateway replica only)"
+            )
+        return self.redis_url
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry traces. Exported (OTLP over HTTP) only where OTEL_EXPORTER_OTLP_ENDPOINT is
+    set; without it nothing is traced and the request path pays nothing."""
+
+    # Head sampling of new traces; a client's own traceparent decides for its requests.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
+class AuthThrottleConfig(_Strict):
+    """Wrong keys (``serve_app/auth/throttle.py``): past these many in ``window_s`` from one
+    client address or under one key prefix, the answer is 429 + Retry-After instead of 401.
+    Behind a proxy that adds no X-Forwarded-For every client shares an address: keep that limit
+    well above any honest client's mistakes. A valid key is never throttled."""
+
+    max_failures_per_address: Annotated[int, Field(gt=0)] = 200
+    max_failures_per_prefix: Annotated[int, Field(gt=0)] = 50
+    window_s: Annotated[float, Field(gt=0)] = 60.0
+    max_tracked: Annotated[int, Field(gt=0)] = 10_000  # addresses and prefixes remembered
+
+
+class GatewayConfig(_Strict):
+    """Limits on what one request may bring, with safe defaults; each breach is an
+    OpenAI-shaped 4xx before anything is spent on the request."""
+
+    max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
+    # Messages in one chat request (a long agent transcript is hundreds).
+    max_messages: Annotated[int, Field(gt=0)] = 2048
+    # Request headers, names and values summed (431 above it).
+    max_header_bytes: Annotated[int, Field(gt=0)] = 32 << 10
+    # The whole body must arrive within this (a body sent a byte at a time is a 408).
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # None: no throttle (every wrong key is a 401).
+    auth_throttle: AuthThrottleConfig | None = AuthThrottleConfig()
+    # Gateway replica deployment options (num_replicas, ray_actor_options, ...).
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+
+class ForgeConfig(_Strict):
+    gateway: GatewayConfig = GatewayConfig()
+    store: StoreConfig = StoreConfig()
+    # Empty here when the gateway deployment's user_config lists them, as it should to change
+    # them live (serve_app/config/live.py); a gateway with no tenant at all will not start.
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    # A mounted secret with more key hashes: YAML or JSON ``{tenant: [sha256, ...]}``.
+    key_hashes_file: str | None = None
+    pools: Annotated[list[PoolConfig], Field(min_length=1)]
+    fallback: FallbackConfig | None = None
+    resilience: ResilienceConfig = ResilienceConfig()
+    tracing: TracingConfig = TracingConfig()
+    cache: CacheConfig = CacheConfig()
+    metering: MeteringConfig = MeteringConfig()
+    admin: AdminConfig = AdminConfig()
+
+    @model_validator(mode="after")
+    def _unique(self) -> ForgeConfig:
+        for what, names in (
+            ("tenants", [t.name for t in self.tenants]),
+            ("pools", [p.name for p in self.pools]),
+            ("pools.model", [p.model for p in self.pools]),
+            ("pools.app", [p.app for p in self.pools if p.app is not None]),
+        ):
+            dupes = sorted(n for n, count in Counter(names).items() if count > 1)
+            if dupes:
+                raise ValueError(f"{what}: duplicate names {dupes}")
+        if "fallback" in {p.name for p in self.pools}:
+            raise ValueError("pools: 'fallback' is reserved for the fallback backend")
+        deployment = self.gateway.deployment
+        many_gateways = deployment.get("num_replicas", 1) not in (1, None) or bool(
+            deployment.get("autoscaling_config")
+        )
+        if many_gateways and not self.store.shared:
+            raise ValueError(
+                "store: more than one gateway replica needs a shared store (store.redis_url or "
+                "store.redis_url_env); the embedded store would give each replica its own budget"
+            )
+        if self.key_hashes_file is None and not all(t.key_hashes for t in self.tenants):
+            missing = [t.name for t in self.tenants if not t.key_hashes]
+            raise ValueError(f"tenants {missing} have no key_hashes and no key_hashes_file is set")
+        hashes = [h for t in self.tenants for h in t.key_hashes]
+        if len(hashes) != len(set(hashes)):
+            raise ValueError("tenants: one key hash is listed for two tenants")
+        if set(hashes) & set(self.admin.key_hashes):
+            raise ValueError("admin.key_hashes: a tenant's key must not be an admin key too")
+        return self
+
+
+class PoolAppConfig(_Strict):
+    """A pool's own application's args (``serve_app.app:build_pool``)."""
+
+    pool: PoolConfig
+    tracing: TracingConfig = TracingConfig()
+
+    @model_validator(mode="after")
+    def _here(self) -> PoolAppConfig:
+        if self.pool.app is not None:
+            raise ValueError("pool.app: this application is where the pool runs; drop it")
+        return self
+
+
+class ConfigError(ValueError):
+    """The config file is wrong; the message names every bad field."""
+
+
+def load_config(args: dict[str, Any] | None) -> ForgeConfig:
+    try:
+        return ForgeConfig.model_validate(args or {})
+    except ValidationError as exc:
+        raise ConfigError("invalid Forge config:\n" + _lines(exc)) from None
+
+
+def load_pool_app_config(args: dict[str, Any] | None) -> PoolAppConfig:
+    try:
+        return PoolAppConfig.model_validate(args or {})
+    except ValidationError as exc:
+        raise ConfigError("invalid Forge pool application config:\n" + _lines(exc)) from None
+
+
+def _lines(exc: ValidationError) -> str:
+    return "\n".join(
+        f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
+        for e in exc.errors(include_url=False)
+    )

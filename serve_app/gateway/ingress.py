@@ -1,0 +1,132 @@
+"""The gateway as a Serve deployment: Serve handles wired into the gateway's typed seams.
+
+This is the only place that knows the gateway runs on Ray Serve: pools are reached through their
+handles (the pool's router, in this process, keeps its bridge current), the schedulers and the
+breaker board through typed clients over theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from ray import serve
+from ray.serve._private.constants import RAY_SERVE_LOG_TO_STDERR
+from ray.serve.handle import DeploymentHandle
+from starlette.applications import Starlette
+
+from serve_app.admission.client import ServeSchedulerClient
+from serve_app.auth.keys import KeyRing
+from serve_app.backends.base import Backend
+from serve_app.backends.fallback import FallbackBackend
+from serve_app.backends.pool import PoolBackend, pool_timeouts
+from serve_app.bridge import pool_bridge, pool_deployment_name
+from serve_app.config.models import ForgeConfig
+from serve_app.gateway.server import Gateway
+from serve_app.metrics import ForgeMetrics
+from serve_app.replica import admin as replica_admin
+from serve_app.resilience.board import ServeBoard
+from serve_app.resilience.client import BreakerClient
+from serve_app.resilience.settings import breaker_client_options
+from serve_app.stack import Collaborators
+from serve_app.store import build_store
+from serve_app.tracing import tracer_for
+
+logger = logging.getLogger("ray.serve")
+
+
+def _pool_handle(pool: str, app: str) -> DeploymentHandle:
+    """A pool in an application of its own, by name. Not checked against the controller: the
+    applications of one Serve config deploy concurrently, and until the pool's replicas exist
+    its requests wait (or fail over) as they do for a pool scaled to zero."""
+    return serve.get_deployment_handle(
+        pool_deployment_name(pool), app_name=app, _check_exists=False
+    )
+
+
+@serve.ingress()
+class GatewayIngress(Gateway):
+    def __init__(
+        self,
+        config: dict,
+        pools: dict[str, DeploymentHandle],
+        schedulers: dict[str, DeploymentHandle],
+        board: DeploymentHandle,
+    ) -> None:
+        forge = ForgeConfig.model_validate(config)
+        metrics = ForgeMetrics()
+        # Fails start-up, with the variable's name, if Redis is configured but unresolvable.
+        store = build_store(
+            forge.store,
+            max_cache_bytes=forge.cache.max_memory_bytes,
+            on_state=lambda s: metrics.store_state.set(int(s)),
+        )
+        breakers = BreakerClient(
+            ServeBoard(board),
+            forge.resilience.sync_interval_s,
+            on_board_error=lambda op: metrics.board_errors.inc(tags={"op": op}),
+            **breaker_client_options(forge.resilience),
+        )
+        app = serve.get_replica_context().app_name
+        backends: dict[str, Backend] = {}
+        for pool in forge.pools:
+            # The router is keyed by the application the pool's deployment is in.
+            bridge = pool_bridge(pool.app or app, pool.name)
+            bridge.breakers = breakers  # what the pool's router reads in this process
+            handle = pools[pool.name] if pool.app is None else _pool_handle(pool.name, pool.app)
+            backends[pool.name] = PoolBackend(pool.name, handle, pool_timeouts(pool), bridge)
+        if forge.fallback is not None:
+            backends["fallback"] = FallbackBackend(forge.fallback)  # a missing key stops start-up
+        usage_store = store
+        if forge.store.shared:  # Redis: its own connections, with a patient timeout
+            usage_store = build_store(forge.store, timeout_s=forge.store.background_timeout_s)
+        parts = Collaborators(
+            keyring=KeyRing.from_config(forge),
+            store=store,
+            metrics=metrics,
+            backends=backends,
+            schedulers={name: ServeSchedulerClient(h) for name, h in schedulers.items()},
+            breakers=breakers,
+            tracer=tracer_for(forge.tracing, "forge-gateway"),
+            usage_store=usage_store,
+        )
+        super().__init__(forge, parts)
+
+    def check_health(self) -> None:
+        """Serve's health check (also part of start-up): a gateway with no tenant would answer
+        every request 401, which is a configuration error, not a running service."""
+        if not self.config.tenants:
+            raise RuntimeError(
+                "no tenants: list them in the gateway deployment's user_config (or the "
+                "application's args)"
+            )
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        # Serve calls this on the replica's event loop, before it hands the replica its port:
+        # a task waits for the port, then says where this replica listens.
+        self._listening_announcement = asyncio.get_running_loop().create_task(
+            self._announce_listening()
+        )
+        return self.asgi_app()
+
+    async def _announce_listening(self) -> None:
+        """One line once this replica is up: where its requests come in.
+
+        It goes to the replica's Serve log, and to the terminal of ``serve run``: Ray forwards a
+        replica's stderr to the driver, but throughput-optimized Serve sends its logs to files
+        only (``RAY_SERVE_LOG_TO_STDERR=0``), so the line is then written to stderr as well.
+        """
+        context = serve.get_replica_context()
+        try:
+            where = await replica_admin.listening_addresses(context)
+        except Exception as err:  # a start-up note must never fail a replica
+            where = f":8000 via Serve's proxy (its options were not readable: {err!r})"
+        message = (
+            f"Forge gateway replica {context.replica_id.unique_id} "
+            f"(app '{context.app_name}') is listening: {where}"
+        )
+        logger.info(message)
+        if not RAY_SERVE_LOG_TO_STDERR:
+            sys.__stderr__.write(f"INFO {message}\n")
+            sys.__stderr__.flush()

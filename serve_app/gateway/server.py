@@ -1,0 +1,265 @@
+"""The gateway: the OpenAI HTTP surface over the pipeline, given its collaborators.
+
+``Gateway`` builds nothing that talks to the outside world: the store, the key ring, the
+backends, the schedulers' clients and the breaker client are handed in (``gateway/ingress.py``
+wires Serve handles into them; ``serve_app/local.py`` wires in-process ones), so the very same
+object is served by Serve, by uvicorn, or by httpx's ``ASGITransport`` in a test without Ray.
+The pipeline itself is listed in ``serve_app/stack.py``.
+
+Background work (the fallback's health probe, the breaker sync) starts with the app's lifespan,
+not with the first request, and stops with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from serve_app.admin.api import build_admin_api, http_error
+from serve_app.auth.keys import KeyRing
+from serve_app.config.models import ForgeConfig
+from serve_app.gateway.live import LiveUpdates
+from serve_app.gateway.request_limits import RequestLimits
+from serve_app.metering.ledger import UsageLedger
+from serve_app.pipeline import RequestContext
+from serve_app.resilience.breaker import State
+from serve_app.resilience.health import HealthWatch
+from serve_app.resilience.settings import breaker_client_options
+from serve_app.stack import Collaborators, Pipeline, build_lasting, build_pipeline, model_routes
+
+logger = logging.getLogger("ray.serve")
+
+_JSON = "application/json"
+
+
+class Gateway:
+    def __init__(self, config: ForgeConfig, parts: Collaborators) -> None:
+        self.config = config
+        self.store = parts.store
+        self.backends = dict(parts.backends)  # pool name (or "fallback") → backend
+        self.breakers = parts.breakers
+        fallback = self.backends.get("fallback")
+        self.fallback_health = (
+            HealthWatch(
+                "fallback",
+                fallback.ready,
+                config.resilience.fallback_probe_interval_s,
+                parts.breakers,
+            )
+            if fallback is not None
+            else None
+        )
+        self.keyring = parts.keyring
+        self.metrics = parts.metrics
+        self.schedulers = dict(parts.schedulers)
+        self._routes = model_routes(config, self.backends)
+        self.models = list(self._routes)
+        self._parts = parts
+        self._app: Starlette | None = None
+        self.lasting = build_lasting(config, parts)  # kept across live changes
+        self.pipeline = self._build_pipeline(config, parts)
+        # The args' configuration is the base a live change's sections go over.
+        self.live = LiveUpdates(config, self.apply, self.metrics, self.schedulers, self.breakers)
+
+    def _build_pipeline(self, config: ForgeConfig, parts: Collaborators) -> Pipeline:
+        return build_pipeline(
+            config, parts, self.lasting, routes=self._routes, list_models=self._list_models
+        )
+
+    @property
+    def ledger(self) -> UsageLedger:
+        return self.lasting.ledger
+
+    # -- live configuration (``gateway/live.py`` validates, refuses, counts and pushes) ------
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this with the gateway deployment's ``user_config`` when a replica starts
+        and whenever it changes (``serve deploy``), without replacing the replica."""
+        await self.live.reconfigure(user_config)
+
+    def apply(self, config: ForgeConfig) -> None:
+        """Serve ``config``'s tenants, keys, limits, admission and breaker settings from the
+        next request on (``serve_app/config/live.py`` says which fields may change so).
+
+        Atomic for requests: everything a request reads of the configuration hangs off the
+        pipeline it started in, and the new pipeline, key ring and admin routes are swapped in
+        with no await in between, so a request sees the old set or the new one, never a mix.
+        Requests under way finish under the old one. What lives across requests is kept: the
+        store's budgets and cache, the ``LastingParts`` (usage ledger, auth throttle, parked
+        slots), the breakers' states; the schedulers and the board hear of it from ``live``.
+        """
+        keyring = KeyRing.from_config(config)  # reads a mounted key file again: it may rotate
+        parts = replace(self._parts, keyring=keyring)
+        pipeline = self._build_pipeline(config, parts)
+        admin = self._admin_api(config, keyring) if self._app is not None else None
+        # The swap: no await from here to the end.
+        self.lasting.retune(config)
+        self.config, self.keyring, self._parts, self.pipeline = config, keyring, parts, pipeline
+        if self._app is not None:
+            self._app.router.default = admin
+        self.breakers.configure(**breaker_client_options(config.resilience))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background work: the fallback is probed from now on, idle or not, and
+        the schedulers and the board hear this replica's live settings."""
+        if self.fallback_health is not None:
+            self.fallback_health.start()
+        self.live.start()
+
+    async def aclose(self) -> None:
+        self.live.stop()
+        for stage in self.pipeline.stages:
+            close = getattr(stage, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+        if self.fallback_health is not None:
+            await self.fallback_health.aclose()
+        await self.breakers.aclose()
+        for backend in self.backends.values():
+            close = getattr(backend, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+        for store in {id(s): s for s in (self.store, self.ledger.store)}.values():
+            with contextlib.suppress(Exception):
+                await store.close()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette | None = None) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.aclose()
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def asgi_app(self) -> Starlette:
+        """The inference routes on plain Starlette (the hot path pays for no FastAPI), and the
+        usage/admin API (``serve_app/admin/api.py``, with ``/openapi.json`` and ``/docs``) for
+        every path they do not match.
+
+        The admin app is the router's default, not a ``Mount("")``: a catch-all mount is a full
+        match, which beats a route's partial (path-only) match, so ``GET /v1/chat/completions``
+        would become the admin app's 404 instead of the 405 it is.
+        """
+        app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/healthz", self.healthz, methods=["GET"]),
+                Route("/readyz", self.readyz, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: http_error},
+            middleware=[
+                Middleware(
+                    RequestLimits,
+                    max_bytes=self.config.gateway.max_header_bytes,
+                    max_body_bytes=self.config.gateway.max_body_bytes,
+                )
+            ],
+            lifespan=self.lifespan,
+        )
+        app.router.default = self._admin_api(self.config, self.keyring)
+        self._app = app
+        return app
+
+    def _admin_api(self, config: ForgeConfig, keyring: KeyRing):
+        pools = {name: b.pool for name, b in self.backends.items() if b.pool is not None}
+        return build_admin_api(
+            config,
+            keyring,
+            self.ledger,
+            self.breakers,
+            pools,
+            status=self.status,
+            auth_throttle=self.lasting.auth_throttle,
+        )
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.pipeline.inference(RequestContext(request, "chat"))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.pipeline.inference(RequestContext(request, "completion"))
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self.pipeline.inference(RequestContext(request, "embedding"))
+
+    async def list_models(self, request: Request) -> Response:
+        return await self.pipeline.listing(RequestContext(request, "models"))
+
+    async def status(self) -> dict:
+        """What ``GET /admin/status`` shows of this gateway replica: its store, the store errors
+        it counted, and each pool's replicas (as its router knows them) and admission slots."""
+        breaker = getattr(self.store, "state", None)  # a guarded store's breaker (Redis)
+        pools = []
+        for pool in self.config.pools:
+            scheduler = self.schedulers.get(pool.name)
+            admission = None
+            if scheduler is not None:
+                try:
+                    admission = await scheduler.snapshot()
+                except Exception as exc:  # the scheduler deployment is down: say so, not 500
+                    logger.warning("scheduler %s snapshot failed: %r", pool.name, exc)
+            pools.append(
+                {
+                    "name": pool.name,
+                    "model": pool.model,
+                    "replicas": self.backends[pool.name].pool.replica_count(),
+                    "fallback": pool.fallback and "fallback" in self.backends,
+                    "admission": admission,
+                }
+            )
+        return {
+            "store": {
+                "kind": "redis" if self.config.store.shared else "embedded",
+                "state": breaker.name.lower() if breaker is not None else "closed",
+                "errors": dict(self.metrics.store_errors_seen),
+            },
+            "pools": pools,
+            "fallback": self.config.fallback.model if self.config.fallback else None,
+            # The live configuration this replica serves, and the last change it refused.
+            "config": self.live.status,
+        }
+
+    async def healthz(self, request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type=_JSON)
+
+    async def readyz(self, request: Request) -> Response:
+        """Ready while some backend can serve: a pool with a replica up and its breaker not
+        open, or a healthy fallback whose breaker is not open."""
+        names = list(self.backends)
+        results = await asyncio.gather(*(self._backend_ready(n) for n in names))
+        body = {"ready": any(results), "backends": dict(zip(names, results, strict=True))}
+        return Response(
+            orjson.dumps(body), status_code=200 if body["ready"] else 503, media_type=_JSON
+        )
+
+    async def _backend_ready(self, name: str) -> bool:
+        if self.breakers.state(name) is State.OPEN:
+            return False
+        if name == "fallback" and self.fallback_health is not None:
+            return await self.fallback_health.current()
+        return await self.backends[name].ready()
+
+    async def _list_models(self, ctx: RequestContext) -> Response:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "forge"} for m in self.models
+        ]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)

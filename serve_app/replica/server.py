@@ -1,0 +1,287 @@
+"""The replica deployment: one engine, served to the gateway through Serve handles.
+
+The replica is engine-agnostic. It coalesces the frames that are ready into one handle item
+(a Serve handle stream pays per item, not per byte), injects faults, reports vLLM-named stats
+for routing and dashboards, and aborts the engine's request when the caller goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+
+from opentelemetry import trace
+from ray import serve
+from ray.serve.metrics import Gauge
+
+from serve_app import errors
+from serve_app.config.models import PoolConfig, TracingConfig
+from serve_app.engines.base import Engine, Kind, Usage
+from serve_app.kvcache.events import KvEventPublisher
+from serve_app.replica.faults import FaultInjector, FaultSpec
+from serve_app.routing.registry import KV_EVENT_POLICIES
+from serve_app.tracing import describe_usage, extract, tracer_for
+
+logger = logging.getLogger("ray.serve")
+
+_END = object()
+
+
+def build_engine(pool: PoolConfig, kv_events: KvEventPublisher | None = None) -> Engine:
+    """The pool's engine. Each is imported only when chosen: vLLM is an optional install.
+    ``kv_events``: where the engine publishes its KV-cache events (KV-aware pools)."""
+    if pool.engine.kind == "simulated":
+        from serve_app.engines.simulated import SimulatedEngine
+
+        return SimulatedEngine(pool.model, pool.engine, pool.default_max_tokens, kv_events)
+    if pool.engine.kind == "vllm":
+        from serve_app.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(pool.model, pool.engine, pool.default_max_tokens, pool.task, kv_events)
+    raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
+
+
+def _node_address() -> str:
+    """Where this replica's KV event sockets listen: its node's address, which the gateways on
+    other nodes can reach (127.0.0.1 on a laptop, where Ray itself stays on loopback)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit tests)
+        return "127.0.0.1"
+
+
+class Replica:
+    """A model server. Stream items are lists: SSE frames (bytes) and metadata (dicts)."""
+
+    def __init__(self, pool: dict, tracing: dict | None = None) -> None:
+        self.pool = PoolConfig.model_validate(pool)
+        self.engine_identity = self.pool.engine_identity()
+        # The generation's span, a child of the gateway's dispatch span (when tracing is on).
+        self.tracer = tracer_for(TracingConfig.model_validate(tracing or {}), "forge-replica")
+        self.faults = FaultInjector()
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (unit tests)
+            self.replica_id = "local"
+        # KV-aware routing learns where prompts are cached from the engine's own events.
+        self.kv_events: KvEventPublisher | None = None
+        if self.pool.routing.policy in KV_EVENT_POLICIES and self.pool.task == "generate":
+            self.kv_events = KvEventPublisher(
+                self.replica_id, lambda: self.engine.cached_block_hashes(), _node_address()
+            )
+        self.engine = build_engine(self.pool, self.kv_events)
+        self._started = False
+        self._gauges: dict | None = None
+        # Streams this replica is serving, from their first item until their generator closes:
+        # the caller sees a stream end only after that, so this never counts one the gateway
+        # has finished with (an engine counts a finished sequence until its next step).
+        self.open_streams = 0
+
+    async def _ensure_started(self) -> None:
+        if not self._started:
+            await self.engine.start()
+            if self.kv_events is not None:
+                self.kv_events.start()
+            self._started = True
+
+    async def stream(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
+    ) -> AsyncIterator[list]:
+        """Stream one request as lists of ready items; the first list starts with metadata.
+        A refusal (a 4xx, before any frame) is the one item of the one list
+        (``errors.refusal_item``), never an exception Serve would log with its message."""
+        source = self._stream(body, kind, request_id, trace_context)
+        try:
+            async for batch in source:
+                yield batch
+        except errors.ForgeError as err:
+            if err.status >= 500:
+                raise
+            yield [errors.refusal_item(err)]
+        finally:
+            await source.aclose()
+
+    async def _stream(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None
+    ) -> AsyncIterator[list]:
+        self.open_streams += 1
+        try:
+            with self._span(trace_context, request_id) as span:
+                await self._ensure_started()
+                await self.faults.before_first_frame()
+                queue: asyncio.Queue = asyncio.Queue()
+                producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
+                sent = 0
+                try:
+                    batch: list = [{"replica": self.replica_id}]
+                    while True:
+                        item = await queue.get()
+                        while True:
+                            if item is _END:
+                                if batch:
+                                    yield batch
+                                return
+                            if isinstance(item, BaseException):
+                                raise item
+                            if isinstance(item, Usage):
+                                usage = item.to_openai()
+                                batch.append({"usage": usage})
+                                describe_usage(span, usage)
+                            else:
+                                batch.append(item)
+                                sent += 1
+                                self.faults.after_frame(sent)
+                            if queue.empty():
+                                break
+                            item = queue.get_nowait()
+                        yield batch
+                        batch = []
+                finally:
+                    # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
+                    producer.cancel()
+        finally:
+            self.open_streams -= 1
+
+    async def _produce(self, body: dict, kind: Kind, request_id: str, queue: asyncio.Queue):
+        try:
+            async for item in self.engine.stream(body, kind, request_id):
+                queue.put_nowait(item)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced to the consumer, which re-raises it
+            queue.put_nowait(exc)
+        queue.put_nowait(_END)
+
+    async def complete(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
+    ) -> dict:
+        """The OpenAI response body (with ``usage``) and, under ``forge``, the replica id."""
+        with self._span(trace_context, request_id) as span:
+            await self._ensure_started()
+            await self.faults.before_first_frame()
+            response, _ = await self.engine.complete(body, kind, request_id)
+            self.faults.after_frame(self.faults.spec.after_frames)
+            describe_usage(span, response.get("usage"))
+            return {"response": response, "replica": self.replica_id}
+
+    @contextlib.contextmanager
+    def _span(self, trace_context: dict | None, request_id: str) -> Iterator[trace.Span]:
+        """A span for this generation when the gateway sent a trace context (else a no-op)."""
+        if self.tracer is None or not trace_context:
+            yield trace.INVALID_SPAN
+            return
+        # Not made current: a stream's generator is resumed (and closed) from other contexts.
+        span = self.tracer.start_span(
+            "forge.replica.generate",
+            context=extract(trace_context),
+            attributes={
+                "forge.replica": self.replica_id,
+                "forge.pool": self.pool.name,
+                "forge.engine": self.pool.engine.kind,
+                "forge.request_id": request_id,
+            },
+        )
+        try:
+            yield span
+        except GeneratorExit:
+            span.set_attribute("forge.aborted", True)  # the caller left: generation aborted
+            raise
+        except Exception as exc:
+            span.set_attribute("forge.error", type(exc).__name__)
+            raise
+        finally:
+            span.end()
+
+    async def complete_streamed(
+        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
+    ):
+        """``complete`` as a one-item stream, which is how the gateway calls it.
+
+        Serve learns that a replica accepted a call from the call's first response metadata;
+        on a unary call (throughput-optimized mode, gRPC) that arrives with the answer, so a
+        long non-streaming generation would look "not yet assigned" for its whole duration,
+        and a hung one could not be charged to its replica. A stream announces itself at once.
+        """
+        try:
+            yield await self.complete(body, kind, request_id, trace_context)
+        except errors.ForgeError as err:
+            if err.status >= 500:
+                raise
+            yield errors.refusal_item(err)  # see ``stream``
+
+    async def abandoned_usage(
+        self, wait_s: float = 1.0, *, request_id: str, replica_id: str | None = None
+    ) -> dict | None:
+        """What an aborted stream of this replica cost (OpenAI ``usage``), once: the gateway
+        asks right after its client left, to charge exactly what the engine produced. Asked
+        of another replica (the one that served it is gone), None at once."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return None
+        usage = await self.engine.abandoned.collect(request_id, wait_s)
+        return None if usage is None else usage.to_openai()
+
+    async def ready(self) -> str:
+        """The warm-up call a gateway sends to a pool scaled to zero: it waits at the handle,
+        so Serve's autoscaler starts a replica, and returns once the engine is loaded."""
+        await self._ensure_started()
+        return self.replica_id
+
+    def stats(self) -> dict:
+        return {
+            "replica": self.replica_id,
+            "open_streams": self.open_streams,
+            **self.engine.stats().as_dict(),
+        }
+
+    def record_routing_stats(self) -> dict:
+        """Serve calls this periodically; request routers read it (see ``routing/``). The same
+        numbers go to the engine gauges, so dashboards see what routers see."""
+        stats = self.engine.stats().as_dict()
+        self._export(stats)
+        if self.kv_events is not None:
+            stats["kv_events"] = self.kv_events.describe()
+        # Cache keys: a gateway whose pool runs in another application learns it here.
+        stats["engine_identity"] = self.engine_identity
+        return stats
+
+    def _export(self, stats: dict) -> None:
+        if self._gauges is None:
+            self._gauges = {
+                name: Gauge(f"forge_engine_{name}", description=f"vLLM's {name}, per replica.")
+                for name in (
+                    "num_requests_running",
+                    "num_requests_waiting",
+                    "kv_cache_usage_perc",
+                    "prefix_cache_queries",
+                    "prefix_cache_hits",
+                )
+            }
+        for name, gauge in self._gauges.items():
+            gauge.set(stats[name])
+
+    def set_fault(
+        self, spec: dict | None, *, replica_id: str | None = None, request_id: str | None = None
+    ) -> dict | None:
+        """Inject (or with None clear) a fault. Through a pool's handle (``POST /admin/faults``)
+        the call names its replica, routed there by ``request_id``; another replica that gets it
+        (the named one is gone) changes nothing and answers None."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return None
+        self.faults.spec = FaultSpec.model_validate(spec or {})
+        set_slow = getattr(self.engine, "set_slow_factor", None)
+        if set_slow is not None:
+            set_slow(self.faults.spec.factor if self.faults.spec.mode == "slow" else 1.0)
+        logger.warning("fault injection on replica %s: %s", self.replica_id, self.faults.spec)
+        return self.faults.spec.model_dump()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()
+        if self.kv_events is not None:
+            await self.kv_events.close()

@@ -1,0 +1,194 @@
+"""Parked slots: several gateway replicas (``WarmSlots``) over one real ``FairScheduler``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from serve_app.admission import warm_slots
+from serve_app.admission.client import LocalSchedulerClient, SyncReply
+from serve_app.admission.scheduler import FairScheduler, Shed, TenantShare
+from serve_app.admission.warm_slots import WarmSlots
+from tests.polling import eventually_async
+
+
+@pytest.fixture(autouse=True)
+def prompt_books(monkeypatch):
+    """Claims and parks reach the scheduler within 10 ms here, not a second."""
+    monkeypatch.setattr(warm_slots, "BOOKS_FLUSH_S", 0.01)
+
+
+def pool(max_inflight: int = 4, **kwargs) -> LocalSchedulerClient:
+    scheduler = FairScheduler(max_inflight, default_tenant=TenantShare(queue_cap=64), **kwargs)
+    return LocalSchedulerClient(scheduler, deadline_s=5)
+
+
+def replica(client, *, tenant_cap: int = 4, keep_warm_s: float = 10.0) -> WarmSlots:
+    return WarmSlots(client, tenant_cap=tenant_cap, keep_warm_s=keep_warm_s)
+
+
+async def admit(slots: WarmSlots, tenant: str = "a", tier: str = "interactive"):
+    return slots.take_parked(tenant, tier) or await slots.acquire(tenant, tier)
+
+
+async def test_a_parked_slot_stays_in_the_budget_and_counts_against_no_tenant():
+    client = pool(max_inflight=2)
+    gateway = replica(client)
+    lease = await admit(gateway, "a")
+    gateway.release(lease.lease_id)
+    await eventually_async(
+        lambda: client.scheduler.snapshot().parked == 1, timeout_s=2, what="parked"
+    )
+    snap = client.scheduler.snapshot()
+    assert snap.slots_used == 1 and snap.inflight.get("a", 0) == 0
+    again = await admit(gateway, "b")
+    assert again.lease_id == lease.lease_id, "the parked slot was taken, not a new one"
+    await eventually_async(
+        lambda: client.scheduler.snapshot().inflight.get("b") == 1, timeout_s=2, what="b"
+    )
+
+
+async def test_another_replica_queued_for_a_full_pool_gets_the_parked_slots_at_once():
+    client = pool(max_inflight=2)
+    a, b = replica(client), replica(client)
+    leases = [await admit(a), await admit(a)]
+    for lease in leases:
+        a.release(lease.lease_id)
+    assert a.parked == 2
+    # B finds the pool full (both slots parked on A) and queues; A hears and gives them back.
+    lease = await asyncio.wait_for(admit(b, "c"), timeout=2)
+    assert a.parked == 0
+    assert {t: n for t, n in client.scheduler.snapshot().inflight.items() if n} == {"c": 1}
+    b.release(lease.lease_id)
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_after_news_of_a_queue_freed_slots_go_back_instead_of_parking():
+    client = pool(max_inflight=1)
+    a, b = replica(client), replica(client)
+    held = await admit(a)
+    waiting = asyncio.create_task(admit(b, "c"))
+    await eventually_async(lambda: client.scheduler.contended, timeout_s=2, what="b queued")
+    a.release(held.lease_id)  # A has not heard yet: parks it, and its watch fires at once
+    granted = await asyncio.wait_for(waiting, timeout=2)
+    assert granted.contended, "a grant after a wait says the pool was contended"
+    assert a.parked == 0 and a.take_parked("a", "interactive") is None
+    b.release(granted.lease_id)
+    assert b.parked == 0, "within the contended hold, a freed slot goes straight back"
+    await eventually_async(
+        lambda: client.scheduler.slots_used == 0, timeout_s=2, what="all slots back"
+    )
+
+
+async def test_idle_parked_slots_go_back_after_keep_warm_s():
+    client = pool()
+    gateway = replica(client, keep_warm_s=0.05)
+    lease = await admit(gateway)
+    gateway.release(lease.lease_id)
+    assert gateway.parked == 1
+    await eventually_async(
+        lambda: client.scheduler.slots_used == 0, timeout_s=2, what="the idle slot back"
+    )
+    assert gateway.parked == 0
+
+
+async def test_a_tenant_at_its_cap_on_this_replica_asks_the_scheduler():
+    client = pool(max_inflight=4, max_tenant_share=0.5)  # the scheduler's cap: 2
+    gateway = replica(client, tenant_cap=2)
+    first, second, spare = await admit(gateway), await admit(gateway), await admit(gateway, "b")
+    gateway.release(spare.lease_id)
+    assert gateway.take_parked("a", "interactive") is None, "a holds its cap here"
+    with pytest.raises(Shed):  # and the scheduler keeps it waiting past a zero deadline
+        client.deadline_s = 0
+        await gateway.acquire("a", "interactive")
+    gateway.release(first.lease_id)
+    gateway.release(second.lease_id)
+
+
+async def test_leases_the_scheduler_lost_are_dropped_from_the_park():
+    client = pool()
+    gateway = replica(client)
+    lease = await admit(gateway)
+    gateway.release(lease.lease_id)
+    await eventually_async(
+        lambda: client.scheduler.snapshot().parked == 1, timeout_s=2, what="parked"
+    )
+    client.scheduler = FairScheduler(4)  # the scheduler restarted: it knows no lease
+    taken = gateway.take_parked("a", "interactive")
+    assert taken is not None  # the replica cannot know yet
+    gateway.release(taken.lease_id)
+    await eventually_async(lambda: gateway.parked == 0, timeout_s=2, what="the lost lease dropped")
+
+
+async def test_closing_a_replica_gives_its_parked_slots_back():
+    client = pool()
+    gateway = replica(client)
+    leases = [await admit(gateway) for _ in range(3)]
+    for lease in leases:
+        gateway.release(lease.lease_id)
+    await gateway.aclose()
+    assert client.scheduler.slots_used == 0
+
+
+async def test_an_unreachable_scheduler_keeps_the_ops_for_the_next_message(monkeypatch):
+    monkeypatch.setattr(warm_slots, "FLUSH_S", 0.001)
+    client = pool()
+    gateway = replica(client, keep_warm_s=0)
+    lease = await admit(gateway)
+    real_sync, calls = client.sync, []
+
+    async def broken(ops):
+        calls.append(list(ops))
+        raise ConnectionError("scheduler gone")
+
+    client.sync = broken
+    gateway.release(lease.lease_id)
+    await eventually_async(lambda: calls, timeout_s=2, what="a sync tried")
+    client.sync = real_sync
+    await admit(gateway)  # the release rides on this acquire
+    assert client.scheduler.slots_used == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_three_replicas_never_hold_more_than_max_inflight_and_return_every_slot(seed):
+    """Random traffic through three gateway replicas: the requests holding a slot never number
+    more than ``max_inflight``, and every slot is back once they stop."""
+    rng = random.Random(seed)
+    client = pool(max_inflight=4, max_tenant_share=0.75)
+    replicas = [replica(client, tenant_cap=3, keep_warm_s=rng.choice([0.01, 0.2, 5.0]))]
+    replicas += [replica(client, tenant_cap=3, keep_warm_s=0.2) for _ in range(2)]
+    holding, peak, served = 0, 0, 0
+
+    async def request(i: int) -> None:
+        nonlocal holding, peak, served
+        await asyncio.sleep(rng.random() * 0.3)
+        gateway = replicas[i % 3]
+        try:
+            lease = await admit(gateway, rng.choice("abc"))
+        except Shed:
+            return
+        holding += 1
+        peak = max(peak, holding)
+        assert client.scheduler.slots_used <= 4
+        await asyncio.sleep(rng.random() * 0.02)
+        holding -= 1
+        served += 1
+        gateway.release(lease.lease_id)
+
+    await asyncio.gather(*(request(i) for i in range(120)))
+    assert peak <= 4 and served > 60
+    for gateway in replicas:
+        await gateway.aclose()
+    await eventually_async(
+        lambda: client.scheduler.slots_used == 0, timeout_s=2, what="every slot back"
+    )
+    assert sum(client.scheduler.snapshot().inflight.values()) == 0
+
+
+async def test_sync_reply_names_lost_leases():
+    client = pool()
+    reply = await client.sync([("claim", "nope", "a", "interactive"), ("release", "gone")])
+    assert reply == SyncReply(contended=False, lost=("nope",))

@@ -1,0 +1,213 @@
+import asyncio
+import csv
+import hashlib
+import io
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+
+from serve_app import cli
+from serve_app.auth.keys import hash_key
+from serve_app.config.models import ForgeConfig, load_config
+from serve_app.local import build_local_gateway
+from serve_app.metering.ledger import UsageRecord
+from tests.polling import eventually
+
+
+def test_keys_new_prints_a_key_and_the_hash_of_that_key(capsys):
+    assert cli.main(["keys", "new", "--tenant", "team-a"]) == 0
+    out = capsys.readouterr().out
+    key = next(w for w in out.split() if w.startswith("sk-forge-"))
+    assert hashlib.sha256(key.encode()).hexdigest() in out
+    assert "- name: team-a" in out
+
+
+def test_keys_hash_reads_stdin(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-demo\n"))
+    assert cli.main(["keys", "hash"]) == 0
+    assert capsys.readouterr().out.strip() == hashlib.sha256(b"sk-demo").hexdigest()
+
+
+# -- forge usage: against a gateway served by uvicorn on 127.0.0.1 ----------------------------
+
+ADMIN_KEY = "sk-test-cli-admin"
+ALPHA_KEY = "sk-test-cli-alpha"
+MODEL = "forge-sim"
+UNPRICED = "free-model"
+DAY = "2025-03-01"
+PRICE = {"prompt_per_million": 2.0, "completion_per_million": 8.0, "cached_per_million": 0.5}
+
+
+def usage_config() -> ForgeConfig:
+    return load_config(
+        {
+            "tenants": [
+                {"name": "alpha", "key_hashes": [hash_key(ALPHA_KEY)]},
+                {"name": "beta", "key_hashes": [hash_key("sk-test-cli-beta")]},
+            ],
+            "pools": [{"name": "primary", "model": MODEL}],
+            "metering": {"currency": "EUR", "prices": {MODEL: PRICE}},
+            "admin": {"key_hashes": [hash_key(ADMIN_KEY)]},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def forge_url() -> Iterator[str]:
+    """A gateway with a day of usage, served on a free port of 127.0.0.1 in a thread."""
+    gateway = build_local_gateway(usage_config())
+    records = [
+        UsageRecord("alpha", MODEL, DAY, {"requests": 3, "prompt_tokens": 1_000_000}),
+        UsageRecord("alpha", MODEL, DAY, {"completion_tokens": 500_000, "cached_tokens": 2_000}),
+        UsageRecord("beta", MODEL, DAY, {"requests": 1, "prompt_tokens": 250_000}),
+        UsageRecord("beta", UNPRICED, DAY, {"requests": 2, "prompt_tokens": 10}),
+    ]
+
+    async def write() -> None:
+        for record in records:
+            gateway.ledger.add(record)
+        await gateway.ledger.flush()
+
+    asyncio.run(write())
+    server = uvicorn.Server(
+        uvicorn.Config(gateway.asgi_app(), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    eventually(lambda: server.started, timeout_s=10, what="uvicorn to start")
+    (port,) = {s.getsockname()[1] for srv in server.servers for s in srv.sockets}
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def forge_usage(url: str, *args: str) -> int:
+    return cli.main(["usage", "--url", url, "--start", DAY, "--end", DAY, *args])
+
+
+# alpha: 1M prompt at 2.0 + 0.5M completion at 8.0 + 2k cached at 0.5 = 2 + 4 + 0.001
+ALPHA_COST = 6.001
+BETA_COST = 0.5  # 250k prompt at 2.0
+
+
+def test_usage_prints_a_table_with_costs_and_a_total(forge_url, monkeypatch, capsys):
+    monkeypatch.setenv("FORGE_ADMIN_KEY", ADMIN_KEY)
+    assert forge_usage(forge_url) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"Usage {DAY} to {DAY} (UTC)"
+    assert lines[1].split() == [
+        *("tenant", "model", "requests", "prompt", "completion", "cached", "cost", "(EUR)")
+    ]
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in lines[3:6]}
+    assert rows == {
+        ("alpha", MODEL): ["3", "1,000,000", "500,000", "2,000", "6.0010"],
+        ("beta", MODEL): ["1", "250,000", "0", "0", "0.5000"],
+        ("beta", UNPRICED): ["2", "10", "0", "0", "unpriced"],
+    }
+    assert lines[7].split() == ["total", "6", "1,250,010", "500,000", "2,000", "6.5010"]
+    assert UNPRICED in lines[8]
+
+
+def test_usage_json_carries_rows_costs_and_the_total(forge_url, monkeypatch, capsys):
+    monkeypatch.setenv("FORGE_ADMIN_KEY", ADMIN_KEY)
+    assert forge_usage(forge_url, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["currency"] == "EUR"
+    costs = {(r["tenant"], r["model"]): r["cost"] for r in report["rows"]}
+    assert costs[("alpha", MODEL)] == pytest.approx(ALPHA_COST)
+    assert costs[("beta", MODEL)] == pytest.approx(BETA_COST)
+    assert costs[("beta", UNPRICED)] is None
+    assert report["total"]["cost"] == pytest.approx(ALPHA_COST + BETA_COST)
+    assert report["total"]["requests"] == 6
+    assert report["unpriced_models"] == [UNPRICED]
+
+
+def test_usage_csv_has_a_header_and_a_row_per_tenant_and_model(forge_url, monkeypatch, capsys):
+    monkeypatch.setenv("FORGE_ADMIN_KEY", ADMIN_KEY)
+    assert forge_usage(forge_url, "--csv", "--tenant", "alpha") == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert len(rows) == 1
+    (row,) = rows
+    assert (row["tenant"], row["model"], row["start"], row["currency"]) == (
+        "alpha",
+        MODEL,
+        DAY,
+        "EUR",
+    )
+    assert (row["requests"], row["prompt_tokens"], row["cached_tokens"]) == ("3", "1000000", "2000")
+    assert float(row["cost"]) == pytest.approx(ALPHA_COST)
+
+
+def test_usage_with_a_tenants_key_or_a_wrong_key_exits_1(forge_url, monkeypatch, capsys):
+    monkeypatch.setenv("FORGE_ADMIN_KEY", "sk-test-cli-wrong")
+    assert forge_usage(forge_url) == 1
+    err = capsys.readouterr().err
+    assert "refused the key in FORGE_ADMIN_KEY (401" in err
+    monkeypatch.setenv("FORGE_ADMIN_KEY", ALPHA_KEY)
+    assert forge_usage(forge_url) == 1
+    assert "FORGE_ADMIN_KEY is not an admin key (403" in capsys.readouterr().err
+
+
+def test_usage_reports_the_gateways_400(forge_url, monkeypatch, capsys):
+    monkeypatch.setenv("FORGE_ADMIN_KEY", ADMIN_KEY)
+    assert cli.main(["usage", "--url", forge_url, "--start", "2025-31-01"]) == 1
+    assert "400" in capsys.readouterr().err
+
+
+def test_usage_without_a_key_or_a_gateway_exits_1(monkeypatch, capsys):
+    monkeypatch.delenv("FORGE_ADMIN_KEY", raising=False)
+    assert cli.main(["usage"]) == 1
+    assert "set FORGE_ADMIN_KEY" in capsys.readouterr().err
+    monkeypatch.setenv("FORGE_ADMIN_KEY", ADMIN_KEY)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    assert cli.main(["usage", "--url", f"http://127.0.0.1:{port}"]) == 1
+    assert "cannot connect" in capsys.readouterr().err
+
+
+def test_the_admin_key_is_never_a_command_line_argument():
+    with pytest.raises(SystemExit):
+        cli.main(["usage", "--key", ADMIN_KEY])
+
+
+def test_config_check_passes_the_shipped_configs_and_names_a_bad_live_field(tmp_path, capsys):
+    import yaml
+
+    for name in ("local.yaml", "gke.yaml"):
+        assert cli.main(["config", "check", f"configs/{name}"]) == 0
+    assert "live configuration" in capsys.readouterr().out
+    document = yaml.safe_load(open("configs/local.yaml"))
+    gateway = document["applications"][0]["deployments"][0]
+    gateway["user_config"]["tenants"][1]["limits"]["rpm"] = 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 1
+    assert "tenants.1.limits.rpm" in capsys.readouterr().err
+    assert cli.main(["config", "check", str(bad), "--app", "nope"]) == 2
+
+
+def test_config_check_holds_the_gateway_and_its_pools_applications_to_each_other(tmp_path, capsys):
+    import yaml
+
+    document = yaml.safe_load(open("configs/local.yaml"))
+    apps = {a["name"]: a for a in document["applications"]}
+    apps["forge-pool-primary"]["args"]["pool"]["model"] = "another-model"
+    del apps["forge-pool-embed"]
+    document["applications"] = list(apps.values())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "pools.0.app: application 'forge-pool-primary' serves model 'another-model'" in err
+    assert "pools.1.app: application 'forge-pool-embed' is not in the Serve config" in err
+    # An engine setting in the gateway's entry of a pool that runs elsewhere is refused.
+    document = yaml.safe_load(open("configs/local.yaml"))
+    document["applications"][0]["args"]["pools"][0]["engine"] = {"kind": "simulated"}  # a default
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 1
+    assert "engine: set in application 'forge-pool-primary'" in capsys.readouterr().err

@@ -1,0 +1,316 @@
+"""Config validation: the shipped config loads; every mistake names its field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.auth.keys import KeyRing, hash_key
+from serve_app.config.live import gateway_user_config, serve_config_forge
+from serve_app.config.models import ConfigError, ForgeConfig, load_config
+from serve_app.store import GuardedStore, MemoryStore, build_store
+
+LOCAL_YAML = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+HASH_A = hash_key("key-a")
+HASH_B = hash_key("key-b")
+
+
+def minimal() -> dict:
+    return {
+        "tenants": [{"name": "alpha", "key_hashes": [HASH_A]}],
+        "pools": [{"model": "m1"}],
+    }
+
+
+def local_args() -> dict:
+    """configs/local.yaml's Forge config as one document: its args, its gateway's user_config
+    over them (the tenants live there), its pools' own applications inlined."""
+    with LOCAL_YAML.open() as f:
+        return serve_config_forge(yaml.safe_load(f)).model_dump()
+
+
+def config_error(args: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(args)
+    return str(info.value)
+
+
+def test_local_yaml_validates():
+    config = load_config(local_args())
+    assert isinstance(config, ForgeConfig)
+    assert [t.name for t in config.tenants] == ["alpha", "beta"]
+    assert config.pools[0].model == "forge-sim-1b"
+    assert config.pools[0].engine.prefill_base_s == 0.02
+    assert config.fallback is not None and config.fallback.api_key_env == "FORGE_FALLBACK_API_KEY"
+
+
+def test_local_yaml_demo_keys_resolve_to_their_tenants():
+    # The keys the config's comment documents must match the hashes it ships.
+    ring = KeyRing(load_config(local_args()).tenants)
+    assert ring.tenant_for("Bearer sk-demo-alpha-local-only").name == "alpha"
+    assert ring.tenant_for("Bearer sk-demo-beta-local-only").name == "beta"
+
+
+def test_minimal_config_gets_defaults():
+    config = load_config(minimal())
+    assert config.pools[0].name == "primary"
+    assert config.pools[0].default_max_tokens == 256
+    assert config.fallback is None
+
+
+def test_missing_args_names_required_sections():
+    message = config_error({})
+    assert "pools: Field required" in message
+    # Tenants may come from the gateway's user_config instead (tests/config/test_live.py).
+    assert "tenants" not in message
+
+
+def test_bad_field_message_names_its_path():
+    args = minimal()
+    args["pools"][0]["engine"] = {"max_num_seqs": 0}
+    message = config_error(args)
+    assert "pools.0.engine.max_num_seqs" in message
+    assert "greater than 0" in message
+
+
+def test_every_bad_field_is_named():
+    args = minimal()
+    args["pools"][0]["default_max_tokens"] = -1
+    args["tenants"][0]["weight"] = 0
+    message = config_error(args)
+    assert "pools.0.default_max_tokens" in message
+    assert "tenants.0.weight" in message
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        (lambda a: a.update(surprise=1), "surprise"),
+        (lambda a: a["pools"][0].update(replicas=2), "pools.0.replicas"),
+        (lambda a: a["pools"][0].update(engine={"max_seqs": 2}), "pools.0.engine.max_seqs"),
+        (lambda a: a["tenants"][0].update(key="x"), "tenants.0.key"),
+    ],
+)
+def test_unknown_keys_are_rejected(where, path):
+    args = minimal()
+    where(args)
+    message = config_error(args)
+    assert f"{path}: Extra inputs are not permitted" in message
+
+
+@pytest.mark.parametrize("bad", ["abc", HASH_A.upper(), HASH_A[:-1], "sk-demo-alpha-local-only"])
+def test_bad_key_hash_is_rejected(bad):
+    args = minimal()
+    args["tenants"][0]["key_hashes"] = [bad]
+    message = config_error(args)
+    assert "tenants.0.key_hashes" in message
+    assert "SHA-256" in message
+
+
+def test_tenant_needs_a_key_hash_unless_a_key_file_is_mounted():
+    args = minimal()
+    args["tenants"][0]["key_hashes"] = []
+    assert "have no key_hashes and no key_hashes_file" in config_error(args)
+    args["key_hashes_file"] = "/etc/forge/keys.yaml"
+    assert load_config(args).tenants[0].key_hashes == []
+
+
+def test_many_gateway_replicas_need_a_shared_store():
+    args = minimal()
+    args["gateway"] = {"deployment": {"num_replicas": 2}}
+    assert "needs a shared store" in config_error(args)
+    args["store"] = {"redis_url": "redis://127.0.0.1:6379/0"}
+    assert load_config(args).store.resolved_url() == "redis://127.0.0.1:6379/0"
+
+
+def test_store_url_from_the_environment_wins(monkeypatch):
+    args = minimal()
+    args["store"] = {"redis_url": "redis://config:6379", "redis_url_env": "FORGE_TEST_REDIS"}
+    monkeypatch.setenv("FORGE_TEST_REDIS", "redis://env:6379")
+    assert load_config(args).store.resolved_url() == "redis://env:6379"
+
+
+GKE_YAML = LOCAL_YAML.parent / "gke.yaml"
+
+
+def test_a_store_named_by_an_unset_variable_stops_start_up(monkeypatch):
+    """Bug: an unset ``redis_url_env`` silently gave each gateway replica its own embedded
+    store, so configs/gke.yaml's two gateways each enforced the whole budget."""
+    monkeypatch.delenv("FORGE_REDIS_URL", raising=False)
+    with GKE_YAML.open() as f:
+        app = yaml.safe_load(f)["applications"][0]
+    args = app["args"] | {"tenants": gateway_user_config(app)["tenants"]}
+    args["key_hashes_file"] = None  # the mounted secret is not here; the store is the point
+    args["tenants"][0]["key_hashes"] = [HASH_A]
+    config = load_config(args)
+    with pytest.raises(ConfigError, match="FORGE_REDIS_URL, which is not set"):
+        build_store(config.store)
+    monkeypatch.setenv("FORGE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    assert isinstance(build_store(config.store), GuardedStore)
+
+
+def test_the_embedded_store_only_when_no_store_is_configured(monkeypatch):
+    monkeypatch.delenv("FORGE_TEST_REDIS", raising=False)
+    assert isinstance(build_store(load_config(minimal()).store), MemoryStore)
+    args = minimal()
+    args["store"] = {"redis_url_env": "FORGE_TEST_REDIS"}
+    with pytest.raises(ConfigError, match="FORGE_TEST_REDIS"):
+        load_config(args).store.resolved_url()
+    # Two gateways on a store named by a variable pass validation; start-up resolves it.
+    args["gateway"] = {"deployment": {"num_replicas": 2}}
+    assert load_config(args).store.shared
+
+
+def test_limits_are_validated():
+    args = minimal()
+    args["tenants"][0]["limits"] = {"rpm": 0}
+    assert "tenants.0.limits.rpm" in config_error(args)
+
+
+def test_duplicate_tenant_names_rejected():
+    args = minimal()
+    args["tenants"].append({"name": "alpha", "key_hashes": [HASH_B]})
+    assert "tenants: duplicate names ['alpha']" in config_error(args)
+
+
+def test_duplicate_pool_models_rejected():
+    args = minimal()
+    args["pools"].append({"name": "second", "model": "m1"})
+    assert "pools.model: duplicate names ['m1']" in config_error(args)
+
+
+def test_duplicate_pool_names_rejected():
+    args = minimal()
+    args["pools"].append({"model": "m2"})  # both default to name "primary"
+    assert "pools: duplicate names ['primary']" in config_error(args)
+
+
+def test_key_hash_shared_by_two_tenants_rejected():
+    args = minimal()
+    args["tenants"].append({"name": "beta", "key_hashes": [HASH_B, HASH_A]})
+    assert "one key hash is listed for two tenants" in config_error(args)
+
+
+def test_rotation_two_hashes_for_one_tenant_accepted():
+    args = minimal()
+    args["tenants"][0]["key_hashes"] = [HASH_A, HASH_B]
+    assert load_config(args).tenants[0].key_hashes == [HASH_A, HASH_B]
+
+
+def test_pool_name_fallback_is_reserved():
+    args = minimal()
+    args["pools"][0]["name"] = "fallback"
+    assert "'fallback' is reserved" in config_error(args)
+
+
+def test_output_tokens_max_below_min_rejected():
+    args = minimal()
+    args["pools"][0]["engine"] = {"output_tokens_min": 10, "output_tokens_max": 5}
+    message = config_error(args)
+    assert "pools.0.engine" in message
+    assert "output_tokens_max must be >= output_tokens_min" in message
+
+
+def test_fallback_base_url_must_be_http():
+    args = copy.deepcopy(minimal())
+    args["fallback"] = {"base_url": "ftp://x", "model": "g"}
+    assert "fallback.base_url" in config_error(args)
+
+
+def test_fallback_auth_defaults_from_api_key_env():
+    args = copy.deepcopy(minimal())
+    args["fallback"] = {"base_url": "https://x/v1/", "model": "g"}
+    assert load_config(args).fallback.auth == "none"
+    args["fallback"]["api_key_env"] = "KEY"
+    assert load_config(args).fallback.auth == "api_key"
+
+
+@pytest.mark.parametrize(
+    ("fallback", "expected"),
+    [
+        ({"auth": "api_key"}, "auth 'api_key' needs api_key_env"),
+        ({"auth": "gcp_metadata", "api_key_env": "KEY"}, "only used with auth 'api_key'"),
+        ({"auth": "oauth"}, "fallback.auth"),
+        ({"auth": "gcp_metadata", "metadata_url": "metadata.google.internal"}, "metadata_url"),
+    ],
+)
+def test_fallback_auth_mistakes_are_named(fallback, expected):
+    args = copy.deepcopy(minimal())
+    args["fallback"] = {"base_url": "https://x/v1/", "model": "g", **fallback}
+    message = config_error(args)
+    assert "fallback" in message and expected in message
+
+
+def test_config_is_frozen():
+    config = load_config(minimal())
+    with pytest.raises(ValueError):
+        config.pools[0].default_max_tokens = 1
+
+
+def test_a_retry_floor_below_the_breaker_threshold_is_refused_naming_both():
+    """At low traffic the floor is the whole budget: it must cover the failures that open a
+    breaker, or the first seconds of every outage reach clients as 502s."""
+    args = minimal() | {
+        "resilience": {"breaker": {"failure_threshold": 5}, "retry_budget": {"min_retries": 3}}
+    }
+    message = config_error(args)
+    assert "retry_budget.min_retries (3)" in message and "failure_threshold (5)" in message
+    args["resilience"]["retry_budget"]["min_retries"] = 5
+    assert load_config(args).resilience.retry_budget.min_retries == 5
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"bound": "latency"}, "bound must be 'requests' or 'tokens'"),
+        ({"load_factor": 0.5}, "load_factor must be >= 1"),
+        ({"prefix_blocks": 4}, "unexpected keyword argument 'prefix_blocks'"),
+        ({"route_blocks": 0}, "route_blocks must be an integer >= 1"),
+    ],
+)
+def test_a_routing_option_the_policy_refuses_fails_the_config_not_the_router(options, named):
+    args = minimal()
+    args["pools"][0]["routing"] = {"policy": "kv_aware", "options": options}
+    message = config_error(args)
+    assert "pools.0.routing" in message and named in message
+
+
+def test_the_routing_options_the_policy_takes_pass():
+    args = minimal()
+    args["pools"][0]["routing"] = {
+        "policy": "kv_aware",
+        "options": {"bound": "tokens", "load_factor": 1.25, "route_blocks": 64},
+    }
+    assert load_config(args).pools[0].routing.options["bound"] == "tokens"
+
+
+def test_a_pool_in_its_own_application_keeps_only_the_gateways_part_here():
+    from serve_app.config.models import load_pool_app_config
+
+    args = minimal()
+    args["pools"][0] |= {"app": "forge-pool-primary", "admission": {"max_inflight": 4}}
+    assert load_config(args).pools[0].app == "forge-pool-primary"
+    for field in ("engine", "routing", "deployment"):
+        wrong = copy.deepcopy(args)
+        wrong["pools"][0][field] = {}
+        assert f"{field}: set in application 'forge-pool-primary'" in config_error(wrong)
+    twice = copy.deepcopy(args)
+    twice["pools"].append({"name": "second", "model": "m2", "app": "forge-pool-primary"})
+    assert "pools.app: duplicate names ['forge-pool-primary']" in config_error(twice)
+    # The pool's own application: the pool runs there, so it names no other application.
+    assert load_pool_app_config({"pool": {"model": "m1"}}).pool.model == "m1"
+    with pytest.raises(ConfigError, match=r"pool\.app: this application is where the pool runs"):
+        load_pool_app_config({"pool": {"model": "m1", "app": "elsewhere"}})
+
+
+def test_the_shipped_configs_run_every_pool_in_an_application_of_its_own():
+    """So a pool's engine change rolls that pool alone (docs/architecture.md says why)."""
+    for path in (LOCAL_YAML, GKE_YAML):
+        document = yaml.safe_load(path.read_text())
+        gateway = next(a for a in document["applications"] if a["name"] == "forge")
+        assert all(pool.get("app") for pool in gateway["args"]["pools"]), path.name
+        config = serve_config_forge(document)
+        assert all(pool.app is None and pool.engine.kind for pool in config.pools)

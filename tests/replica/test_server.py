@@ -1,0 +1,114 @@
+"""The replica deployment's logic without Serve: coalescing, metadata, faults, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from serve_app.replica.faults import InjectedFault
+from serve_app.replica.server import Replica
+
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hello"}],
+    "max_tokens": 12,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+def replica(**engine) -> Replica:
+    return Replica({"name": "p", "model": "m", "engine": engine})
+
+
+async def collect(r: Replica, body: dict = BODY) -> list[list]:
+    return [batch async for batch in r.stream(body, "chat", "req-1")]
+
+
+async def test_first_batch_names_the_replica_and_the_last_carries_usage():
+    batches = await collect(replica())
+    assert batches[0][0] == {"replica": "local"}
+    usage = batches[-1][-1]["usage"]
+    assert usage["completion_tokens"] == 12
+    frames = [x for b in batches for x in b if type(x) is bytes]
+    assert frames[-1].startswith(b"data: ") and b'"usage":{' in frames[-1]
+
+
+async def test_frames_ready_together_travel_as_one_item():
+    """A consumer slower than the engine gets several frames per handle item, never fewer."""
+    r = replica()
+    items = []
+    async for batch in r.stream(BODY, "chat", "req-1"):
+        items.append(batch)
+        await asyncio.sleep(0.01)  # a slow consumer: the engine runs ahead meanwhile
+    frames = sum(1 for b in items for x in b if type(x) is bytes)
+    assert frames == 1 + 12 + 1 + 1  # role, tokens, finish, usage
+    assert len(items) < frames / 2
+
+
+async def test_open_streams_counts_a_stream_until_its_generator_closes():
+    r = replica()
+    stream = r.stream(BODY, "chat", "req-1")
+    assert r.stats()["open_streams"] == 0  # not started
+    await anext(stream)
+    assert r.stats()["open_streams"] == 1
+    async for _ in stream:
+        pass
+    assert r.stats()["open_streams"] == 0
+    abandoned = r.stream(BODY, "chat", "req-2")
+    await anext(abandoned)
+    await abandoned.aclose()  # the caller left mid-stream
+    assert r.stats()["open_streams"] == 0
+
+
+async def test_closing_the_stream_aborts_the_generation():
+    r = replica(decode_base_s=0.01)
+    body = {**BODY, "max_tokens": 500, "ignore_eos": True}
+    stream = r.stream(body, "chat", "req-1")
+    await anext(stream)
+    await asyncio.sleep(0.03)
+    assert r.stats()["num_requests_running"] == 1
+    await stream.aclose()
+    for _ in range(10):
+        await asyncio.sleep(0.01)
+    assert r.stats()["num_requests_running"] == 0
+
+
+async def test_error_fault_fails_before_any_frame():
+    r = replica()
+    r.set_fault({"mode": "error"})
+    with pytest.raises(InjectedFault):
+        await collect(r)
+    r.set_fault(None)
+    assert await collect(r)
+
+
+async def test_hang_fault_waits_until_cancelled():
+    r = replica()
+    r.set_fault({"mode": "hang"})
+    task = asyncio.ensure_future(collect(r))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_die_mid_stream_without_exiting_delivers_some_frames_then_fails():
+    r = replica()
+    r.set_fault({"mode": "die_mid_stream", "after_frames": 3, "exit_process": False})
+    got = []
+    with pytest.raises(InjectedFault):
+        async for batch in r.stream(BODY, "chat", "req-1"):
+            got += [x for x in batch if type(x) is bytes]
+    assert 0 < len(got) <= 3
+
+
+async def test_slow_fault_slows_the_engine():
+    r = replica(decode_base_s=0.002)
+    r.set_fault({"mode": "slow", "factor": 5})
+    assert r.engine.llm.slow_factor == 5
+    r.set_fault(None)
+    assert r.engine.llm.slow_factor == 1.0
