@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from serve_app.config.digest import settings_digest
 from serve_app.config.models import (
     POOL_APP_FIELDS,
+    POOL_SHARED_FIELDS,
     AdminConfig,
     AdmissionConfig,
     ConfigError,
@@ -146,7 +147,8 @@ def serve_config_forge(serve_config: Mapping[str, Any], app: str = "forge") -> F
     in an application of its own inlined from there (its engine, routing and deployment; the
     gateway's entry keeps the rest). What the in-process runner and the tests build from, and
     the cross-application check: a pool's application exists, builds a pool, and serves the
-    model the gateway lists under the same name and task."""
+    model the gateway lists under the same name, task, token default and timeouts (both sides
+    read them: the configs write them once, an anchor the pool's application merges in)."""
     applications = {a.get("name"): a for a in serve_config.get("applications") or []}
     if app not in applications:
         raise ConfigError(f"no application named {app!r} in the Serve config")
@@ -169,10 +171,10 @@ def serve_config_forge(serve_config: Mapping[str, Any], app: str = "forge") -> F
         except ConfigError as err:
             problems.append(f"{where}: {err}")
             continue
-        for field in ("name", "model", "task"):
+        for field in POOL_SHARED_FIELDS:
             if getattr(theirs, field) != getattr(pool, field):
                 problems.append(
-                    f"{where} serves {field} {getattr(theirs, field)!r}, the gateway lists "
+                    f"{where} has {field} {getattr(theirs, field)!r}, the gateway lists "
                     f"{getattr(pool, field)!r}"
                 )
         update = {field: getattr(theirs, field) for field in POOL_APP_FIELDS}

@@ -335,6 +335,18 @@ class PoolConfig(_Strict):
 # What a pool in its own application sets there (``PoolConfig.app``); the gateway's entry keeps
 # what the gateway uses: model, task, timeouts, fallback, admission.
 POOL_APP_FIELDS = frozenset({"engine", "routing", "deployment"})
+# What both the gateway's entry for a pool and the pool's own application read: one value,
+# held equal across the two by ``serve_config_forge`` (``forge config check``).
+POOL_SHARED_FIELDS = (
+    "name",
+    "model",
+    "task",
+    "default_max_tokens",
+    "connect_timeout_s",
+    "first_token_timeout_s",
+    "idle_timeout_s",
+    "request_timeout_s",
+)
 
 
 # The chat parameters Gemini's OpenAI-compatible endpoint documents (Vertex AI, "Using OpenAI

@@ -197,13 +197,15 @@ def test_config_check_holds_the_gateway_and_its_pools_applications_to_each_other
     document = yaml.safe_load(open("configs/local.yaml"))
     apps = {a["name"]: a for a in document["applications"]}
     apps["forge-pool-primary"]["args"]["pool"]["model"] = "another-model"
+    apps["forge-pool-primary"]["args"]["pool"]["request_timeout_s"] = 30  # the gateway's: 600
     del apps["forge-pool-embed"]
     document["applications"] = list(apps.values())
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(document))
     assert cli.main(["config", "check", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert "pools.0.app: application 'forge-pool-primary' serves model 'another-model'" in err
+    assert "pools.0.app: application 'forge-pool-primary' has model 'another-model'" in err
+    assert "has request_timeout_s 30.0, the gateway lists 600.0" in err
     assert "pools.1.app: application 'forge-pool-embed' is not in the Serve config" in err
     # An engine setting in the gateway's entry of a pool that runs elsewhere is refused.
     document = yaml.safe_load(open("configs/local.yaml"))
