@@ -210,9 +210,10 @@ async def _worker(n: int, redis_url: str | None) -> None:
 async def _pin_buckets(gateway) -> None:
     """Draw every tenant's buckets well below full, so their keys outlive the run (a key lives
     twice its bucket's time to refill): as if each tenant had used part of its burst."""
+    from serve_app.stages.quota import QuotaStage
     from serve_app.store import StoreError
 
-    quota = gateway.pipeline.stages[4]
+    quota = gateway.pipeline.stage(QuotaStage)
     gate = asyncio.Semaphore(16)
 
     async def pin(q) -> None:
@@ -303,11 +304,14 @@ def _own_time_by_file(profiler: cProfile.Profile, requests: int) -> dict[str, fl
 
 async def _state(gateway) -> dict:
     """How much per-tenant state the worker holds (outside any measured window)."""
+    from serve_app.stages.admission import AdmissionStage
+    from serve_app.stages.authenticate import AuthStage
+    from serve_app.stages.quota import QuotaStage
     from serve_app.store import GuardedStore, MemoryStore, RedisStore
 
-    keyring = gateway.pipeline.stages[2].keyring
-    quota = gateway.pipeline.stages[4]
-    scheduler = _scheduler_of(gateway.pipeline.stages[5])
+    keyring = gateway.pipeline.stage(AuthStage).keyring
+    quota = gateway.pipeline.stage(QuotaStage)
+    scheduler = _scheduler_of(gateway.pipeline.stage(AdmissionStage))
     store = gateway.store
     inner = store.store if isinstance(store, GuardedStore) else store
     if isinstance(inner, MemoryStore):

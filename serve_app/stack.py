@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from opentelemetry.trace import Tracer
 
@@ -50,6 +51,8 @@ from serve_app.stages.store_failures import StoreFailures
 from serve_app.stages.telemetry import TelemetryStage
 from serve_app.stages.trace import TraceStage
 from serve_app.store import Store
+
+S = TypeVar("S", bound=Stage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,13 @@ class Pipeline:
     inference: Handler  # /v1/chat/completions, /v1/completions
     listing: Handler  # /v1/models
     stages: tuple[Stage, ...]  # the inference stages, in order (for docs, tests and traces)
+
+    def stage(self, kind: type[S]) -> S:
+        """The one stage of type ``kind``: found by what it is, never by where it sits."""
+        found = [s for s in self.stages if isinstance(s, kind)]
+        if len(found) != 1:
+            raise LookupError(f"{len(found)} stages of type {kind.__name__} in the pipeline")
+        return found[0]
 
 
 def build_pipeline(
