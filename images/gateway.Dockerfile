@@ -30,11 +30,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # `python -m evals` and `python -m loadtest.http_load` run from here.
 COPY --chown=1000:100 . .
 
-# Forge and its runtime dependencies, and the eval gate's client (the evals extra); no dev extra.
+# Forge and its runtime dependencies (the eval gate's openai client among them); no dev extra.
 # Ray itself is already the base image's, at the version pyproject.toml accepts, so pip keeps it.
 # DL3013 wants `pkg==version` on the command line: here the package is this checkout and the
-# extra's pins live in pyproject.toml, which hadolint cannot read.
+# pins live in pyproject.toml, which hadolint cannot read.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[evals]" \
+RUN pip install --no-cache-dir "." \
     && python -c "import serve_app.app, openai"
 
