@@ -18,7 +18,8 @@ from tests.e2e.conftest import ALPHA_KEY
 
 # In the default run, not the slow one: in the slow run's session it ran just before the
 # fair-admission drill, whose light tenant then measured 1.9x its baseline (1.4x without it).
-pytestmark = pytest.mark.e2e
+# A rollout drill (~40 s of the graph's CPU): in the slow run, beside what it would slow.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 GATEWAY_APP = "forge-split"
 POOL_APP = "forge-split-pool"
