@@ -6,28 +6,21 @@ the evaluation): requests go through vLLM's ``OpenAIServingChat`` / ``OpenAIServ
 format are vLLM's own, byte for byte. Forge adds only what its replica contract needs: usage for
 metering on every stream, an abort the moment the caller goes away, and the scheduler's numbers
 (running, waiting, KV-cache use, prefix-cache queries and hits) for routing and dashboards.
-On a KV-aware pool it also relays vLLM's own KV-cache events to the replica's publisher, with
-the blocks renamed into Forge's block-hash chain (``_KvEventRelay``).
+vLLM's arguments come from ``vllm_args.py``; its KV-cache events reach the replica's publisher
+through ``vllm_kv_relay.py``.
 
 vLLM is imported lazily: this module imports (and its config validates) without vLLM installed.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import importlib
 import inspect
-import logging
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import orjson
-import zmq
-import zmq.asyncio
 
 from serve_app import errors
 from serve_app.config.models import VLLMEngineConfig
@@ -39,10 +32,9 @@ from serve_app.engines.base import (
     Kind,
     Usage,
 )
-from serve_app.kvcache.block_hashes import chain_block_hash
+from serve_app.engines.vllm_args import import_first, vllm_server_args
+from serve_app.engines.vllm_kv_relay import VllmKvEventRelay
 from serve_app.kvcache.events import EngineLoad, KvEventPublisher
-
-logger = logging.getLogger("ray.serve")
 
 
 class VLLMEngine(Engine):
@@ -75,7 +67,7 @@ class VLLMEngine(Engine):
         self._args = vllm_server_args(model, config, task)
         # Only a generation pool routes on its cache.
         self._kv = (
-            _KvEventRelay(kv_events, self._engine_load)
+            VllmKvEventRelay(kv_events, self._engine_load)
             if kv_events is not None and task == "generate"
             else None
         )
@@ -129,7 +121,7 @@ class VLLMEngine(Engine):
             self._kv.start()
         from starlette.datastructures import State
 
-        init_app_state = _import_first(
+        init_app_state = import_first(
             "vllm.entrypoints.launchers.api_server.app_state:init_app_state",  # vLLM >= 0.30
             "vllm.entrypoints.openai.api_server:init_app_state",
         )
@@ -326,140 +318,6 @@ class VLLMEngine(Engine):
         self.llm.shutdown()
 
 
-class _KvEventRelay:
-    """vLLM's KV-cache events, renamed into Forge's block-hash chain, to the replica's publisher.
-
-    vLLM publishes from its engine-core process and names blocks by its own hashes, which the
-    routers cannot compute (seeded, and folding in LoRA, multimodal inputs and cache salts).
-    Its ``BlockStored`` events carry each block's token ids and its parent's vLLM hash, so a
-    map from vLLM's hashes to Forge's is enough to extend the chain one block at a time. The
-    map is also the engine's snapshot: every block vLLM caches and Forge can name.
-
-    The hop is one ZeroMQ PUB/SUB over an ``ipc://`` socket in a directory private to this
-    replica: no port to allocate, nothing reachable from outside the node.
-    """
-
-    def __init__(self, events: KvEventPublisher, load: Callable[[], EngineLoad]) -> None:
-        self._events = events
-        self._load = load
-        self._dir = tempfile.mkdtemp(prefix="forge-kv-")
-        self.endpoint = f"ipc://{self._dir}/events"
-        self.forge_hashes: dict[int | bytes, int] = {}  # vLLM's block hash → Forge's
-        self._ctx: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task | None = None
-        self._next_seq = 0
-        self.skipped = 0  # vLLM blocks stored that Forge cannot name
-
-    def vllm_config(self):
-        from vllm.config import KVEventsConfig
-
-        return KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=self.endpoint,  # vLLM binds ipc endpoints, and this side connects
-            replay_endpoint=None,
-            topic="",
-        )
-
-    def start(self) -> None:
-        if self._task is not None:
-            return
-        self._ctx = zmq.asyncio.Context()
-        self._socket = self._ctx.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(self.endpoint)
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def accepted(self, request_id: str) -> None:
-        self._events.accepted(request_id)
-        self.flush()
-
-    def flush(self) -> None:
-        self._events.flush(self._load())
-
-    async def _run(self) -> None:
-        import msgspec
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        while True:
-            frames = await self._socket.recv_multipart()
-            try:
-                _topic, seq, payload = frames
-                seq = int.from_bytes(seq, "big")
-                if seq != self._next_seq:  # dropped (HWM) or sent before this side subscribed
-                    logger.warning("missed vLLM KV event batches %d to %d", self._next_seq, seq - 1)
-                self._next_seq = seq + 1
-                self.apply(decoder.decode(payload).events)
-                self.flush()
-            except Exception:  # one bad batch must not end the relay
-                logger.exception("could not relay a vLLM KV event batch")
-
-    def apply(self, events: list) -> None:
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-        for event in events:
-            if isinstance(event, AllBlocksCleared):
-                self.forge_hashes.clear()
-                self._events.cleared()
-            elif getattr(event, "medium", None) not in (None, "GPU"):
-                continue  # an offload tier (CPU, storage): routers route on what the GPU holds
-            elif isinstance(event, BlockStored):
-                self._events.stored(self._stored(event))
-            elif isinstance(event, BlockRemoved):
-                removed = (self.forge_hashes.pop(h, None) for h in event.block_hashes)
-                self._events.removed(h for h in removed if h is not None)
-
-    def _stored(self, event) -> list[int]:
-        """Forge's names for the blocks, each chained from its parent's; none for those whose
-        parent it cannot name (stored before this relay listened, or skipped below)."""
-        size, vllm_hashes, tokens = event.block_size, event.block_hashes, event.token_ids
-        parent = None
-        if event.parent_block_hash is not None:
-            parent = self.forge_hashes.get(event.parent_block_hash)
-            if parent is None:
-                return self._skip(vllm_hashes, "their parent is unknown")
-        if len(tokens) != size * len(vllm_hashes):  # a run with null (sliding-window) blocks
-            return self._skip(vllm_hashes, "their tokens do not split into them")
-        extra_keys = event.extra_keys or [None] * len(vllm_hashes)
-        forge: list[int] = []
-        for i, (vllm_hash, keys) in enumerate(zip(vllm_hashes, extra_keys, strict=True)):
-            if keys:
-                # Its vLLM hash folds in more than tokens (LoRA, images, cache salt): Forge's
-                # chain would confuse it with the plain block, and cannot name its children.
-                return forge + self._skip(vllm_hashes[i:], "they are keyed by more than tokens")
-            parent = chain_block_hash(parent, tokens[i * size : (i + 1) * size])
-            self.forge_hashes[vllm_hash] = parent
-            forge.append(parent)
-        return forge
-
-    def _skip(self, vllm_hashes: list, why: str) -> list[int]:
-        self.skipped += len(vllm_hashes)
-        logger.debug(
-            "KV events: %d vLLM blocks not routable (%d so far): %s",
-            len(vllm_hashes),
-            self.skipped,
-            why,
-        )
-        return []
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._socket is not None:
-            self._socket.close()
-            self._ctx.term()
-            self._socket = self._ctx = None
-        self.remove_dir()
-
-    def remove_dir(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
 class SchedulerLoad:
     """vLLM's scheduler numbers, kept as vLLM's Prometheus logger records them.
 
@@ -513,46 +371,6 @@ class SchedulerLoad:
         """Sleep mode is not used by Forge."""
 
 
-def vllm_server_args(
-    model: str, config: VLLMEngineConfig, task: Literal["generate", "embed"] = "generate"
-) -> argparse.Namespace:
-    """The arguments ``vllm serve`` would have parsed, from Forge's config.
-
-    Starting from vLLM's own parser keeps every default (engine and OpenAI front end) exactly as
-    ``vllm serve`` has it; only what the config names is changed. An embedding pool runs vLLM's
-    pooling runner (a causal LM is converted to an embedding model, as ``--runner pooling``
-    does); ``engine_args`` may still name ``convert`` or ``pooler_config``.
-    """
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    make_arg_parser = _import_first(
-        "vllm.entrypoints.launchers.cli_args:make_arg_parser",  # vLLM >= 0.30
-        "vllm.entrypoints.openai.cli_args:make_arg_parser",
-    )
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
-    settings = {
-        "model": config.model,
-        "served_model_name": [model],
-        "max_num_seqs": config.max_num_seqs,
-        "block_size": config.block_size,
-        "max_model_len": config.max_model_len,
-        "dtype": config.dtype,
-        "enforce_eager": config.enforce_eager,
-        "enable_prefix_caching": config.enable_prefix_caching,
-        "gpu_memory_utilization": config.gpu_memory_utilization,
-        # Usage carries cached_tokens, which metering and the routing experiments read.
-        "enable_prompt_tokens_details": True,
-        **({"runner": "pooling"} if task == "embed" else {}),
-        **config.engine_args,
-    }
-    unknown = sorted(name for name in config.engine_args if not hasattr(args, name))
-    if unknown:
-        raise ValueError(f"engine_args {unknown} are not vLLM engine or server arguments")
-    for name, value in settings.items():
-        setattr(args, name, value)
-    return args
-
-
 def _vllm_request_ids(kind: Kind, base_id: str, body: dict) -> list[str]:
     """The ids vLLM's serving layer gives a request's generations (what ``abort`` takes)."""
     if kind == "chat":
@@ -600,14 +418,3 @@ def _first_error(exc) -> str:
     first = exc.errors(include_url=False)[0]
     where = ".".join(str(part) for part in first["loc"])
     return f"{where}: {first['msg']}" if where else first["msg"]
-
-
-def _import_first(*paths: str):
-    """The first of ``module:attribute`` that imports: vLLM moves modules between releases."""
-    for path in paths:
-        module_name, attribute = path.split(":")
-        try:
-            return getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError(f"none of {paths} is importable from the installed vLLM")

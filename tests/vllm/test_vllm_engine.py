@@ -22,7 +22,8 @@ import pytest_asyncio
 
 from serve_app.config.models import VLLMEngineConfig
 from serve_app.engines.base import Usage
-from serve_app.engines.vllm_engine import VLLMEngine, vllm_server_args
+from serve_app.engines.vllm_args import vllm_server_args
+from serve_app.engines.vllm_engine import VLLMEngine
 from serve_app.tools.tiny_model import vllm_engine_config
 from tests.vllm.conftest import MODEL
 

@@ -1,0 +1,160 @@
+"""vLLM's own KV-cache events, renamed into Forge's block-hash chain, to the replica's publisher.
+
+On a KV-aware pool the routers need to know which blocks each replica's vLLM holds, under names
+they can compute themselves. vLLM names blocks by its own hashes (seeded, and folding in LoRA,
+multimodal inputs and cache salts), so the relay renames them. Its own module because the
+renaming is the part worth testing, and it runs without vLLM; only the socket's decoder and
+vLLM's ``KVEventsConfig`` import vLLM, lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+
+import zmq
+import zmq.asyncio
+
+from serve_app.kvcache.block_hashes import chain_block_hash
+from serve_app.kvcache.events import EngineLoad, KvEventPublisher
+
+logger = logging.getLogger("ray.serve")
+
+
+class VllmKvEventRelay:
+    """vLLM's KV-cache events, renamed into Forge's block-hash chain, to the replica's publisher.
+
+    vLLM publishes from its engine-core process. Its ``BlockStored`` events carry each block's
+    token ids and its parent's vLLM hash, so a map from vLLM's hashes to Forge's is enough to
+    extend the chain one block at a time. The map is also the engine's snapshot: every block
+    vLLM caches and Forge can name.
+
+    The hop is one ZeroMQ PUB/SUB over an ``ipc://`` socket in a directory private to this
+    replica: no port to allocate, nothing reachable from outside the node.
+    """
+
+    def __init__(self, events: KvEventPublisher, load: Callable[[], EngineLoad]) -> None:
+        self._events = events
+        self._load = load
+        self._dir = tempfile.mkdtemp(prefix="forge-kv-")
+        self.endpoint = f"ipc://{self._dir}/events"
+        self.forge_hashes: dict[int | bytes, int] = {}  # vLLM's block hash → Forge's
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._next_seq = 0
+        self.skipped = 0  # vLLM blocks stored that Forge cannot name
+
+    def vllm_config(self):
+        from vllm.config import KVEventsConfig
+
+        return KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=self.endpoint,  # vLLM binds ipc endpoints, and this side connects
+            replay_endpoint=None,
+            topic="",
+        )
+
+    def start(self) -> None:
+        if self._task is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(self.endpoint)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def accepted(self, request_id: str) -> None:
+        self._events.accepted(request_id)
+        self.flush()
+
+    def flush(self) -> None:
+        self._events.flush(self._load())
+
+    async def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                _topic, seq, payload = frames
+                seq = int.from_bytes(seq, "big")
+                if seq != self._next_seq:  # dropped (HWM) or sent before this side subscribed
+                    logger.warning("missed vLLM KV event batches %d to %d", self._next_seq, seq - 1)
+                self._next_seq = seq + 1
+                self.apply(decoder.decode(payload).events)
+                self.flush()
+            except Exception:  # one bad batch must not end the relay
+                logger.exception("could not relay a vLLM KV event batch")
+
+    def apply(self, events: Iterable) -> None:
+        for event in events:
+            # By class name, not isinstance: vLLM's events are msgspec structs tagged with their
+            # class name (tag=True), so the name is what vLLM sends and decodes by. Matching it
+            # keeps this logic free of vLLM, runnable and tested where vLLM is not installed.
+            kind = type(event).__name__
+            if kind == "AllBlocksCleared":
+                self.forge_hashes.clear()
+                self._events.cleared()
+            elif getattr(event, "medium", None) not in (None, "GPU"):
+                continue  # an offload tier (CPU, storage): routers route on what the GPU holds
+            elif kind == "BlockStored":
+                self._events.stored(self._stored(event))
+            elif kind == "BlockRemoved":
+                # A list, not a generator: the map must lose them whether or not it is read.
+                removed = [self.forge_hashes.pop(h, None) for h in event.block_hashes]
+                self._events.removed([h for h in removed if h is not None])
+
+    def _stored(self, event) -> list[int]:
+        """Forge's names for the blocks, each chained from its parent's; none for those whose
+        parent it cannot name (stored before this relay listened, or skipped below)."""
+        size, vllm_hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+        parent = None
+        if event.parent_block_hash is not None:
+            parent = self.forge_hashes.get(event.parent_block_hash)
+            if parent is None:
+                return self._skip(vllm_hashes, "their parent is unknown")
+        if len(tokens) != size * len(vllm_hashes):  # a run with null (sliding-window) blocks
+            return self._skip(vllm_hashes, "their tokens do not split into them")
+        extra_keys = event.extra_keys or [None] * len(vllm_hashes)
+        forge: list[int] = []
+        for i, (vllm_hash, keys) in enumerate(zip(vllm_hashes, extra_keys, strict=True)):
+            if keys:
+                # Its vLLM hash folds in more than tokens (LoRA, images, cache salt): Forge's
+                # chain would confuse it with the plain block, and cannot name its children.
+                return forge + self._skip(vllm_hashes[i:], "they are keyed by more than tokens")
+            parent = chain_block_hash(parent, tokens[i * size : (i + 1) * size])
+            self.forge_hashes[vllm_hash] = parent
+            forge.append(parent)
+        return forge
+
+    def _skip(self, vllm_hashes: list, why: str) -> list[int]:
+        self.skipped += len(vllm_hashes)
+        logger.debug(
+            "KV events: %d vLLM blocks not routable (%d so far): %s",
+            len(vllm_hashes),
+            self.skipped,
+            why,
+        )
+        return []
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._socket is not None:
+            self._socket.close()
+            self._ctx.term()
+            self._socket = self._ctx = None
+        self.remove_dir()
+
+    def remove_dir(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
