@@ -116,6 +116,7 @@ class Replica:
                 queue: asyncio.Queue = asyncio.Queue()
                 producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
                 sent = 0
+                undelivered: Usage | None = None  # the engine's count, until the caller took it
                 try:
                     batch: list = [{"replica": self.replica_id}]
                     while True:
@@ -124,10 +125,12 @@ class Replica:
                             if item is _END:
                                 if batch:
                                     yield batch
+                                undelivered = None  # resumed after its batch: taken
                                 return
                             if isinstance(item, BaseException):
                                 raise item
                             if isinstance(item, Usage):
+                                undelivered = item
                                 usage = item.to_openai()
                                 batch.append({"usage": usage})
                                 describe_usage(span, usage)
@@ -143,6 +146,12 @@ class Replica:
                 finally:
                     # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
                     producer.cancel()
+                    # A generation that finished is not aborted, so the engine records nothing:
+                    # if its usage never reached the caller (still queued, or in the batch it
+                    # left at), keep it for the gateway's ``abandoned_usage`` as an abort's.
+                    undelivered = undelivered or _queued_usage(queue)
+                    if undelivered is not None:
+                        self.engine.abandoned.record(request_id, undelivered)
         finally:
             self.open_streams -= 1
 
@@ -285,3 +294,12 @@ class Replica:
         await self.engine.shutdown()
         if self.kv_events is not None:
             await self.kv_events.close()
+
+
+def _queued_usage(queue: asyncio.Queue) -> Usage | None:
+    """The engine's final ``Usage`` among what the caller left unread, if it got that far."""
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, Usage):
+            return item
+    return None

@@ -1,0 +1,56 @@
+"""What a stream whose caller left cost, asked of the replica right after (``abandoned_usage``):
+exactly what the engine generated, wherever the caller left, so the tenant is charged the
+engine's count and never the gateway's estimate."""
+
+from __future__ import annotations
+
+from serve_app.replica.server import Replica
+from tests.polling import eventually_async
+
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hello"}],
+    "max_tokens": 12,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+def replica() -> Replica:
+    return Replica({"name": "p", "model": "m", "engine": {"kind": "simulated"}})
+
+
+async def test_a_caller_that_left_after_the_engine_finished_is_charged_the_engines_count():
+    """The generation ended (so nothing was aborted) but the caller left before the batch with
+    its usage reached it: the replica still knows what it cost."""
+    r = replica()
+    stream = r.stream(BODY, "chat", "req-done")
+    await anext(stream)  # the replica's first batch
+    # The engine runs ahead of a slow caller and finishes the whole generation.
+    await eventually_async(
+        lambda: r.engine.llm.generation_tokens == 12,
+        timeout_s=5,
+        what="the engine to finish all 12 tokens",
+        explain=r.stats,
+    )
+    await stream.aclose()  # the caller left before the rest, usage included, reached it
+    usage = await r.abandoned_usage(0.5, request_id="req-done", replica_id=r.replica_id)
+    assert usage is not None and usage["completion_tokens"] == 12
+    assert usage["prompt_tokens"] > 0
+
+
+async def test_a_caller_that_left_mid_generation_is_charged_what_was_generated():
+    r = replica()
+    stream = r.stream({**BODY, "max_tokens": 200}, "chat", "req-mid")
+    await anext(stream)
+    await anext(stream)
+    await stream.aclose()
+    usage = await r.abandoned_usage(1.0, request_id="req-mid", replica_id=r.replica_id)
+    assert usage is not None and 0 < usage["completion_tokens"] < 200
+
+
+async def test_a_stream_the_caller_read_to_its_end_leaves_nothing_to_collect():
+    r = replica()
+    batches = [b async for b in r.stream(BODY, "chat", "req-read")]
+    assert batches[-1][-1]["usage"]["completion_tokens"] == 12
+    assert await r.abandoned_usage(0.05, request_id="req-read", replica_id=r.replica_id) is None
