@@ -47,6 +47,7 @@ from serve_app.stages.metering import MeterStage
 from serve_app.stages.parse import ParseStage
 from serve_app.stages.quota import QuotaStage
 from serve_app.stages.request_id import RequestIdStage
+from serve_app.stages.settles import Settles
 from serve_app.stages.store_failures import StoreFailures
 from serve_app.stages.telemetry import TelemetryStage
 from serve_app.stages.trace import TraceStage
@@ -75,11 +76,13 @@ class Collaborators:
 @dataclass(frozen=True, slots=True)
 class LastingParts:
     """What a gateway replica keeps across live rebuilds of its pipeline: the usage queued for
-    the ledger, the failed-auth counts, and the pool slots it holds (parked or in use). A live
+    the ledger, the settles still landing, the failed-auth counts, and the pool slots it holds
+    (parked or in use). A live
     configuration change builds a new pipeline around these same objects, so nothing queued,
     counted or held is dropped; ``build_lasting`` makes them once per replica."""
 
     ledger: UsageLedger
+    settles: Settles  # refunds and lease releases, retried until the store confirms them
     auth_throttle: FailedAuthThrottle | None
     slots: Mapping[str, WarmSlots]  # pool name → this replica's slots of it (admission pools)
 
@@ -113,7 +116,8 @@ def build_lasting(config: ForgeConfig, parts: Collaborators) -> LastingParts:
     slots = {
         p.name: warm_slots(parts.schedulers[p.name], p.admission) for p in _admitted(config, parts)
     }
-    return LastingParts(ledger, throttle, slots)
+    settles = Settles(StoreFailures(parts.metrics, "retried until it lands"))
+    return LastingParts(ledger, settles, throttle, slots)
 
 
 def _admitted(config: ForgeConfig, parts: Collaborators) -> list[PoolConfig]:
@@ -161,6 +165,8 @@ def build_pipeline(
             metrics,
             config.tenants,
             {p.model: p.default_max_tokens for p in config.pools},
+            lasting.settles,
+            parts.usage_store,  # patient: a settle is off the request path
         ),
         *cache_stage(config, parts),
         AdmissionStage(

@@ -160,7 +160,7 @@ class DownStore(Store):
     async def take(self, buckets: Sequence[Bucket], amounts: Sequence[float]) -> TakeResult:
         self._fail()
 
-    async def adjust(self, bucket: Bucket, delta: float) -> float:
+    async def adjust(self, bucket: Bucket, delta: float, *, once=None) -> float:
         self._fail()
 
     async def peek(self, buckets: Sequence[Bucket]) -> tuple[float, ...]:

@@ -126,6 +126,7 @@ class Gateway:
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
+        await self.lasting.settles.aclose()  # what tenants are owed lands before the store goes
         if self.fallback_health is not None:
             await self.fallback_health.aclose()
         await self.breakers.aclose()

@@ -6,7 +6,9 @@ held for the request's life. When the response ends, however it ends, the reserv
 exactly once to the backend's ``usage`` (or, for a stream the client abandoned, to what was
 relayed). The store is a convenience: when it fails the request is served unmetered, counted in
 ``forge_store_errors_total{op}`` and ``forge_unmetered_total{tenant}``, and a warning is logged
-at most once per interval.
+at most once per interval. What a request owes back (a refund, its lease) always lands:
+``stages/settles.py`` retries it until the store confirms it, also when the reserve itself was
+cut short (a timeout that may have been applied, a client that left mid-call).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, on_response_end
 from serve_app.protocol import count_prompt_tokens
 from serve_app.stages.quota_buckets import TenantQuota
+from serve_app.stages.settles import Settles
 from serve_app.stages.store_failures import StoreFailures
 from serve_app.store import Store, StoreError
 
@@ -37,13 +40,18 @@ class QuotaStage:
         metrics: ForgeMetrics,
         tenants: list[TenantConfig],
         default_max_tokens: Mapping[str, int],
+        settles: Settles | None = None,
+        settle_store: Store | None = None,
     ) -> None:
+        """``settles`` lands refunds and releases (the replica's own, kept across rebuilds);
+        ``settle_store``: the store they go through (the patient one; ``store`` by default)."""
         self.store = store
         self.metrics = metrics
         self.quotas = {t.name: TenantQuota.of(t) for t in tenants}
         self.default_max_tokens = default_max_tokens
-        self._settling: set[asyncio.Task] = set()
         self._store_failed = StoreFailures(metrics, "serving unmetered")
+        self.settles = settles or Settles(StoreFailures(metrics, "retried until it lands"))
+        self.settle_store = settle_store or store
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         quota = self.quotas[ctx.tenant.name]
@@ -59,6 +67,10 @@ class QuotaStage:
 
         reserved_in_store = False
         lease: str | None = None
+        # Minted before the call: a call cut short may have taken it, and it is released then.
+        lease_id = None if quota.max_streams is None else uuid.uuid4().hex
+        settle_id = uuid.uuid4().hex  # the refunds' idempotency id (client ids may repeat)
+        asking = False
         headers: dict[str, str] = {}
         try:
             if buckets:
@@ -68,11 +80,37 @@ class QuotaStage:
                     raise quota.refused(buckets, amounts, taken)
                 reserved_in_store = True
                 headers = quota.headers(buckets, taken.remaining)
-            lease = await self._acquire_lease(quota, ctx, buckets, amounts, headers)
+            if lease_id is not None:
+                asking = True  # the store may grant it even if its answer never arrives
+                granted, holders = await self.store.acquire_lease(
+                    quota.stream_key, lease_id, quota.max_streams, LEASE_TTL_S
+                )
+                asking = False
+                if not granted:
+                    self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
+                    raise quota.too_many_streams(holders)
+                lease = lease_id
+                # This request included: a client (or the gate) sees leaked leases as a low
+                # remainder.
+                headers["x-ratelimit-limit-concurrent-requests"] = str(quota.max_streams)
+                headers["x-ratelimit-remaining-concurrent-requests"] = str(
+                    max(0, quota.max_streams - holders)
+                )
         except StoreError as exc:
-            # Served without a lease; a reservation already taken is still settled (refunded).
+            # Served without a lease (one the store may have granted before failing to answer
+            # is released); a reservation already taken is still settled (refunded).
             self._store_failed("reserve", exc)
             self.metrics.unmetered.inc(tags={"tenant": quota.tenant})
+            if asking:
+                self._release(quota, lease_id)
+        except BaseException:
+            # Refused a lease, or cut short (the client left, the request was cancelled):
+            # nothing taken is left behind.
+            if asking:
+                self._release(quota, lease_id)
+            if reserved_in_store:
+                self._refund(quota, buckets, amounts, f"{settle_id}:reserve")
+            raise
         metered = reserved_in_store or lease is not None
 
         settled = False
@@ -85,9 +123,7 @@ class QuotaStage:
             if settled or not metered:
                 return
             settled = True
-            task = asyncio.create_task(self._settle(quota, ctx, prompt_tokens, reserved, lease))
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
+            self._settle(quota, ctx, reserved, lease, settle_id)
 
         try:
             response = await call_next(ctx)
@@ -96,32 +132,6 @@ class QuotaStage:
             raise
         response.headers.update(headers)
         return on_response_end(response, settle)
-
-    async def _acquire_lease(
-        self, quota: TenantQuota, ctx: RequestContext, buckets, amounts, headers: dict[str, str]
-    ) -> str | None:
-        if quota.max_streams is None:
-            return None
-        lease_id = f"{ctx.request_id}:{uuid.uuid4().hex[:8]}"
-        granted, holders = await self.store.acquire_lease(
-            quota.stream_key, lease_id, quota.max_streams, LEASE_TTL_S
-        )
-        if not granted:
-            # Give back what this request took: it is refused, not served. A refund the store
-            # fails is lost (counted), but the refusal stands: the cap is what the store said.
-            try:
-                for bucket, amount in zip(buckets, amounts, strict=True):
-                    await self.store.adjust(bucket, amount)
-            except StoreError as exc:
-                self._store_failed("refund", exc)
-            self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
-            raise quota.too_many_streams(holders)
-        # This request included: a client (or the gate) sees leaked leases as a low remainder.
-        headers["x-ratelimit-limit-concurrent-requests"] = str(quota.max_streams)
-        headers["x-ratelimit-remaining-concurrent-requests"] = str(
-            max(0, quota.max_streams - holders)
-        )
-        return lease_id
 
     async def _keep_lease(self, quota: TenantQuota, lease: str) -> None:
         """Renew a live request's lease at a third of its TTL: a 10-minute stream keeps it."""
@@ -132,25 +142,33 @@ class QuotaStage:
             except StoreError as exc:
                 self._store_failed("renew", exc)
 
-    async def _settle(
-        self,
-        quota: TenantQuota,
-        ctx: RequestContext,
-        prompt_tokens: int,
-        reserved: int,
-        lease: str | None,
+    def _settle(
+        self, quota: TenantQuota, ctx: RequestContext, reserved: int, lease: str | None, id_: str
     ) -> None:
-        try:
-            if quota.tokens is not None:
-                prompt, completion, _ = charged_tokens(ctx)
-                used = prompt + completion
-                if used != reserved:
-                    await self.store.adjust(quota.tokens, reserved - used)
-        except StoreError as exc:
-            self._store_failed("settle", exc)
-        finally:
-            if lease is not None:
-                try:
-                    await self.store.release_lease(quota.stream_key, lease)
-                except StoreError as exc:
-                    self._store_failed("release", exc)
+        """The reservation to the real usage (a refund, or the overshoot charged), and the
+        lease back: both retried until they land (``Settles``)."""
+        calls = []
+        if quota.tokens is not None:
+            prompt, completion, _ = charged_tokens(ctx)
+            used = prompt + completion
+            if used != reserved:
+                tokens, delta = quota.tokens, reserved - used
+                calls.append(lambda: self.settle_store.adjust(tokens, delta, once=id_))
+        if lease is not None:
+            calls.append(lambda: self.settle_store.release_lease(quota.stream_key, lease))
+        if calls:
+            self.settles.land("settle", *calls)
+
+    def _refund(self, quota: TenantQuota, buckets, amounts, id_: str) -> None:
+        store = self.settle_store
+        self.settles.land(
+            "refund",
+            *(
+                lambda b=bucket, a=amount: store.adjust(b, a, once=f"{id_}:{b.key}")
+                for bucket, amount in zip(buckets, amounts, strict=True)
+            ),
+        )
+
+    def _release(self, quota: TenantQuota, lease_id: str) -> None:
+        key = quota.stream_key
+        self.settles.land("release", lambda: self.settle_store.release_lease(key, lease_id))

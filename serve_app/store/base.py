@@ -146,9 +146,13 @@ class Store(ABC):
         """Take ``amounts[i]`` from ``buckets[i]`` for every i, or nothing at all."""
 
     @abstractmethod
-    async def adjust(self, bucket: Bucket, delta: float) -> float:
+    async def adjust(self, bucket: Bucket, delta: float, *, once: str | None = None) -> float:
         """Settle a reservation: ``+delta`` refunds (capped at capacity), ``-delta`` charges an
-        overshoot (the level may go negative). Returns the new level."""
+        overshoot (the level may go negative). Returns the new level.
+
+        ``once``: an id that makes the call idempotent for ``ONCE_TTL_S`` (a repeat changes
+        nothing and returns the level): a settle that timed out may have been applied, so its
+        retry carries the first try's id."""
 
     @abstractmethod
     async def peek(self, buckets: Sequence[Bucket]) -> tuple[float, ...]:

@@ -75,8 +75,8 @@ class GuardedStore(Store):
     async def take(self, buckets: Sequence[Bucket], amounts: Sequence[float]) -> TakeResult:
         return await self._call("take", lambda: self.store.take(buckets, amounts))
 
-    async def adjust(self, bucket: Bucket, delta: float) -> float:
-        return await self._call("adjust", lambda: self.store.adjust(bucket, delta))
+    async def adjust(self, bucket: Bucket, delta: float, *, once: str | None = None) -> float:
+        return await self._call("adjust", lambda: self.store.adjust(bucket, delta, once=once))
 
     async def peek(self, buckets: Sequence[Bucket]) -> tuple[float, ...]:
         return await self._call("peek", lambda: self.store.peek(buckets))

@@ -176,10 +176,15 @@ class MemoryStore(Store):
             remaining.append(level - amount)
         return TakeResult(True, tuple(remaining), 0.0)
 
-    async def adjust(self, bucket: Bucket, delta: float) -> float:
+    async def adjust(self, bucket: Bucket, delta: float, *, once: str | None = None) -> float:
         if not math.isfinite(delta):
             raise ValueError(f"adjust delta must be finite, got {delta}")
         now = self._clock()
+        if once is not None:
+            seen = f"{bucket.key}:once:{once}"
+            if self._live(seen, "once", now) is not None:
+                return self._level(bucket, now)
+            self._put(seen, "once", True, now + ONCE_TTL_S, now)
         level = min(bucket.capacity, self._level(bucket, now) + delta)
         self._store_level(bucket, level, now)
         return level

@@ -96,13 +96,18 @@ return out
 """
 )
 
-# KEYS[1]: bucket. ARGV: min_ttl, max_ttl, capacity, refill_per_s, delta. Returns the new level.
+# KEYS[1]: bucket; KEYS[2], if given: the call's once-key. ARGV: min_ttl, max_ttl, capacity,
+# refill_per_s, delta, and with KEYS[2] the once-key's ttl in ms. Returns the level.
 _ADJUST_LUA = (
     _BUCKET_LUA
     + """
 local now = now_us()
 local min_ttl, max_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cap, rate, delta = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+-- KEYS[2], if given: the call's once-key; set already, this is a repeat and changes nothing.
+if KEYS[2] and not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[6]) then
+  return fmt(level_of(KEYS[1], cap, rate, now))
+end
 local level = math.min(cap, level_of(KEYS[1], cap, rate, now) + delta)
 store_level(KEYS[1], cap, rate, level, now, min_ttl, max_ttl)
 return fmt(level)
@@ -269,12 +274,16 @@ class RedisStore(Store):
             return TakeResult(True, levels, 0.0)
         return TakeResult(False, levels, retry_after(buckets, amounts, levels))
 
-    async def adjust(self, bucket: Bucket, delta: float) -> float:
+    async def adjust(self, bucket: Bucket, delta: float, *, once: str | None = None) -> float:
         if not math.isfinite(delta):
             raise ValueError(f"adjust delta must be finite, got {delta}")
         args = [MIN_BUCKET_TTL_S, MAX_BUCKET_TTL_S, bucket.capacity, bucket.refill_per_s, delta]
+        keys = [self._key(bucket.key)]
+        if once is not None:  # the bucket key's {hash tag}: one slot
+            keys.append(self._key(f"{bucket.key}:once:{once}"))
+            args.append(_ms(ONCE_TTL_S))
         with self._failures("adjust"):
-            reply = await self._adjust(keys=[self._key(bucket.key)], args=args)
+            reply = await self._adjust(keys=keys, args=args)
         return float(reply)
 
     async def peek(self, buckets: Sequence[Bucket]) -> tuple[float, ...]:

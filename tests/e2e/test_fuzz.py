@@ -161,9 +161,9 @@ def fuzz_log() -> Iterator[FuzzLog]:
 
 
 @pytest.fixture(scope="module")
-def books(metrics_port) -> Books:
+def books() -> Books:
     """Before the fuzz tenant's first request (its token bucket starts full)."""
-    return Books.open(metrics_port)
+    return Books.open()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,201 @@
+"""What a request owes its tenant's budget always lands: refunds and lease releases are retried
+until the store confirms them, a retry after a lost reply is applied once, and a reserve cut
+short (a timeout the store may have applied, a client that left mid-call) leaves nothing taken
+behind. Over the embedded store with failures injected per call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.requests import Request
+from starlette.responses import Response
+
+from serve_app.config.models import TenantConfig
+from serve_app.pipeline import RequestContext
+from serve_app.protocol import ChatCompletionRequest
+from serve_app.stages.quota import QuotaStage
+from serve_app.stages.quota_buckets import TenantQuota
+from serve_app.stages.settles import Settles
+from serve_app.stages.store_failures import StoreFailures
+from serve_app.store import MemoryStore, StoreError
+from tests.doubles import RecordingMetrics
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+LIMITS = {"tpm": 10_000, "max_concurrent_streams": 1}
+
+
+class FlakyStore(MemoryStore):
+    """The embedded store, whose next calls of an op fail as planned: ``"before"`` (the store
+    never saw it: a refused connection) or ``"after"`` (applied, then the reply was lost: a
+    timeout). ``gate`` holds an op's call until set (a call still under way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans: dict[str, list[str]] = {}
+        self.gates: dict[str, asyncio.Event] = {}
+        self.entered: dict[str, asyncio.Event] = {}
+
+    async def _run(self, op: str, call):
+        if op in self.gates:
+            self.entered.setdefault(op, asyncio.Event()).set()
+            await self.gates[op].wait()
+        plan = self.plans.get(op) or []
+        how = plan.pop(0) if plan else None
+        if how == "before":
+            raise StoreError(f"{op}: connection refused (injected)")
+        result = await call()
+        if how == "after":
+            raise StoreError(f"{op}: timed out (injected; it was applied)")
+        return result
+
+    async def adjust(self, bucket, delta, *, once=None):
+        return await self._run(
+            "adjust", lambda: super(FlakyStore, self).adjust(bucket, delta, once=once)
+        )
+
+    async def acquire_lease(self, key, lease_id, limit, ttl_s):
+        return await self._run(
+            "acquire_lease",
+            lambda: super(FlakyStore, self).acquire_lease(key, lease_id, limit, ttl_s),
+        )
+
+    async def release_lease(self, key, lease_id):
+        return await self._run(
+            "release_lease", lambda: super(FlakyStore, self).release_lease(key, lease_id)
+        )
+
+
+def tenant() -> TenantConfig:
+    return TenantConfig(name="acme", key_hashes=["a" * 64], limits=LIMITS)
+
+
+def ctx_for(t: TenantConfig, max_tokens: int = 100) -> RequestContext:
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+    ctx = RequestContext(request, "chat")
+    ctx.request_id = "req-1"
+    ctx.tenant = t
+    ctx.body = {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens}
+    ctx.parsed = ChatCompletionRequest.model_validate(ctx.body)
+    return ctx
+
+
+def answered(usage: dict):
+    async def call_next(ctx: RequestContext) -> Response:
+        ctx.usage = usage
+        ctx.first_byte_at = 1.0
+        return Response(b"{}")
+
+    return call_next
+
+
+def stage_over(store: FlakyStore, metrics: RecordingMetrics | None = None) -> QuotaStage:
+    metrics = metrics or RecordingMetrics()
+    settles = Settles(StoreFailures(metrics, "retried"), first_backoff_s=0.001, max_backoff_s=0.01)
+    return QuotaStage(store, metrics, [tenant()], {}, settles)
+
+
+async def levels(store: MemoryStore, t: TenantConfig) -> tuple[float, int]:
+    quota = TenantQuota.of(t)
+    (tokens,) = await store.peek([quota.tokens])
+    holders = store._holders(quota.stream_key, store._clock())
+    return tokens, len(holders)
+
+
+async def served_one(stage: QuotaStage, t: TenantConfig) -> None:
+    response = await stage(ctx_for(t), answered({"prompt_tokens": 20, "completion_tokens": 30}))
+    assert response.status_code == 200
+    await response({"type": "http"}, _receive, _send)  # the response ends: settle
+    await stage.settles.drain()
+
+
+async def _receive():
+    return {"type": "http.disconnect"}
+
+
+async def _send(message):
+    return None
+
+
+@pytest.mark.parametrize("how", ["before", "after"])
+async def test_a_refund_meeting_a_store_failure_is_retried_and_applied_once(how):
+    store, t = FlakyStore(), tenant()
+    store.plans["adjust"] = [how, how]  # fails twice, then the store answers
+    stage = stage_over(store)
+    await served_one(stage, t)
+    tokens, streams = await levels(store, t)
+    assert tokens == pytest.approx(10_000 - 50, abs=1), "charged exactly the 50 used, once"
+    assert streams == 0
+
+
+async def test_a_lease_release_meeting_a_store_failure_is_retried_until_the_stream_is_free():
+    store, t = FlakyStore(), tenant()
+    store.plans["release_lease"] = ["before", "after", "before"]
+    stage = stage_over(store)
+    await served_one(stage, t)
+    assert (await levels(store, t))[1] == 0
+    await served_one(stage, t)  # the tenant's one stream is free again: not a 429
+
+
+async def test_a_lease_granted_but_unanswered_is_released():
+    """The store granted the lease and its reply was lost: the request is served unmetered
+    for streams, and the lease it may hold is given back rather than held for its TTL."""
+    store, t = FlakyStore(), tenant()
+    store.plans["acquire_lease"] = ["after"]
+    metrics = RecordingMetrics()
+    stage = stage_over(store, metrics)
+    await served_one(stage, t)
+    assert {"op": "reserve"} in metrics.store_errors.calls
+    tokens, streams = await levels(store, t)
+    assert streams == 0
+    assert tokens == pytest.approx(10_000 - 50, abs=1)
+
+
+async def test_a_client_leaving_during_the_lease_call_leaves_nothing_taken():
+    store, t = FlakyStore(), tenant()
+    store.gates["acquire_lease"] = asyncio.Event()
+    stage = stage_over(store)
+    request = asyncio.create_task(stage(ctx_for(t), answered({})))
+    await asyncio.wait_for(store.entered.setdefault("acquire_lease", asyncio.Event()).wait(), 5)
+    request.cancel()  # the client left while the lease was being asked for
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    del store.gates["acquire_lease"]
+    await stage.settles.drain()
+    tokens, streams = await levels(store, t)
+    assert tokens == pytest.approx(10_000, abs=1), "the reservation was refunded"
+    assert streams == 0
+
+
+async def test_a_refused_lease_refunds_its_reservation():
+    store, t = FlakyStore(), tenant()
+    stage = stage_over(store)
+    held, serving = asyncio.Event(), asyncio.Event()
+
+    async def holds(ctx):
+        serving.set()
+        await held.wait()
+        return Response(b"{}")
+
+    first = asyncio.create_task(stage(ctx_for(t), holds))
+    await asyncio.wait_for(serving.wait(), 5)
+    with pytest.raises(Exception) as info:
+        await stage(ctx_for(t), answered({}))
+    assert getattr(info.value, "status", None) == 429
+    await stage.settles.drain()
+    tokens, _ = await levels(store, t)
+    # One reservation (prompt + 100) is out, the held request's: the refused one's came back.
+    assert 100 < 10_000 - tokens < 200
+    held.set()
+    await first
+
+
+async def test_a_settle_that_never_lands_gives_up_at_its_deadline_and_says_so():
+    store, t = FlakyStore(), tenant()
+    store.plans["adjust"] = ["before"] * 1000
+    metrics = RecordingMetrics()
+    settles = Settles(StoreFailures(metrics, "retried"), deadline_s=0.05, first_backoff_s=0.001)
+    stage = QuotaStage(store, metrics, [t], {}, settles)
+    await served_one(stage, t)
+    assert settles.given_up == 1
+    assert {"op": "settle_given_up"} in metrics.store_errors.calls
