@@ -1,4 +1,4 @@
-"""The client matrix against the running graph (the README's table): each client streamed and
+"""The client matrix against the running graph (operations.md's table): each client streamed and
 not, a tool call where the client has a tool API, and embeddings where it has an embeddings
 API. The LangGraph ReAct agent is tests/e2e/test_agent.py."""
 
