@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,7 +36,11 @@ class RequestContext:
     request: Request
     route: Kind | str  # "chat", "completion", or a non-inference route such as "models"
     started: float = field(default_factory=time.perf_counter)
-    request_id: str = ""
+    request_id: str = ""  # the client's (or minted): headers, logs and spans only
+    # Forge's own id for this request, never the client's: it keys everything inside (the
+    # backend call, its pinned follow-ups, retry avoidance, abandoned usage), since clients'
+    # ids repeat, across tenants too.
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
     tenant: TenantConfig | None = None
     body: dict[str, Any] | None = None  # the client's JSON, forwarded to the backend
     parsed: Any = None  # the validated protocol model

@@ -59,7 +59,7 @@ class Attempt:
         """Which replica the pool's router chose; known once the call was routed."""
         pool = self.backend.pool
         if self.replica is None and pool is not None:
-            routed = pool.take_routed(ctx.request_id)
+            routed = pool.take_routed(ctx.key)
             if routed is not None:
                 self.replica, self.replica_probe = routed
                 ctx.replica = self.replica
@@ -202,7 +202,7 @@ class Dispatch:
         budget_s: float | None,
     ) -> Response:
         backend = attempt.backend
-        result = await backend.complete(ctx.body, ctx.route, ctx.request_id, budget_s)
+        result = await backend.complete(ctx.body, ctx.route, ctx.key, budget_s)
         attempt.settle(ctx, Outcome.SUCCESS)
         _release_pool_slot_on_failover(ctx, backend, candidates)
         response = result["response"]
@@ -222,7 +222,7 @@ class Dispatch:
         budget_s: float | None,
     ) -> Response:
         backend = attempt.backend
-        stream = backend.stream(ctx.body, ctx.route, ctx.request_id, budget_s)
+        stream = backend.stream(ctx.body, ctx.route, ctx.key, budget_s)
         try:
             first = await anext(stream, [])
             if first:  # a replica's refusal is its first and only batch (``Replica.stream``)
@@ -240,7 +240,7 @@ class Dispatch:
             if ctx.usage is None and backend.pool is not None and ctx.replica:
                 # Ended early (the client left, or it failed mid-way): the replica aborted the
                 # generation; charge what its engine produced, not an estimate.
-                ctx.usage = await backend.pool.abandoned_usage(ctx.request_id, ctx.replica)
+                ctx.usage = await backend.pool.abandoned_usage(ctx.key, ctx.replica)
 
         return EventStream(
             relay(ctx, head, stream, lambda outcome: attempt.settle(ctx, outcome)),
@@ -286,7 +286,7 @@ class _Plan:
             _event("forge.attempt", backend=backend.name, breaker=admit.value, retry=self.made > 1)
             failed_replica, ctx.replica = ctx.replica, None
             if failed_replica and backend.pool is not None:
-                backend.pool.avoid(ctx.request_id, failed_replica)
+                backend.pool.avoid(ctx.key, failed_replica)
             breakers = dispatch.breakers
             return Attempt(
                 backend,

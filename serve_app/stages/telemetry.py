@@ -59,6 +59,8 @@ class TelemetryStage:
                 orjson.dumps(
                     {
                         "request_id": ctx.request_id,
+                        # Forge's own id: what the replicas and the fallback were sent.
+                        "forge_id": ctx.key,
                         "tenant": ctx.tenant_name,
                         "route": ctx.route,
                         "model": model,

@@ -41,7 +41,7 @@ async def test_normal_stream_relays_frames_and_ends_with_done():
     assert ctx.backend == "primary"
     assert ctx.first_byte_at is not None
     assert ctx.stream_error is None
-    assert primary.calls == [(ctx.body, "chat", "req-1")]
+    assert primary.calls == [(ctx.body, "chat", ctx.key)]
 
 
 async def test_metadata_is_stripped_from_bytes_and_recorded_on_ctx():
@@ -147,7 +147,7 @@ async def test_non_streaming_returns_json_with_backend_headers():
     assert response.headers["x-forge-backend"] == "primary"
     assert response.headers["x-forge-replica"] == "replica-3"
     assert (ctx.backend, ctx.replica, ctx.usage) == ("primary", "replica-3", USAGE)
-    assert primary.calls == [(ctx.body, "chat", "req-1")]
+    assert primary.calls == [(ctx.body, "chat", ctx.key)]
 
 
 async def test_non_streaming_fails_over_on_5xx_without_replica_header():
@@ -194,3 +194,16 @@ async def test_the_pool_keeps_its_slot_when_it_serves():
     ctx.release_slot = lambda: released.append(True)
     await Dispatch({MODEL: [FakeBackend("primary", [[chunk("a")]])]})(ctx)
     assert released == []
+
+
+async def test_two_requests_under_one_client_id_reach_the_backend_under_ids_of_their_own():
+    """Clients choose ``x-request-id`` (two tenants may both send ``1``): what keys a request
+    inside (its backend call, pinned follow-ups, abandoned usage) is Forge's own id."""
+    primary = FakeBackend("primary", [[chunk("a")]])
+    first, second = make_ctx(), make_ctx()
+    assert first.request_id == second.request_id == "req-1"
+    for ctx in (first, second):
+        await body_of(await Dispatch({MODEL: [primary]})(ctx))
+    keys = [call[2] for call in primary.calls]
+    assert keys == [first.key, second.key] and first.key != second.key
+    assert "req-1" not in keys
