@@ -105,7 +105,8 @@ class EventStream(StreamingResponse):
     Starlette sends the headers before it first reads the body; a client that leaves in between
     means the body generator never runs, so cleanup placed in it (release the slot, settle the
     quota, abort the generation) would never happen. Here it runs when the response itself is
-    done, on every path.
+    done, on every path; and if the response is never called at all (its request cancelled
+    between the pipeline's return and the server's call), when it is collected.
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class EventStream(StreamingResponse):
         self._close_source = close_source
         self._end_callbacks: list[Callable[[bool], None]] = []
         self._completed = False
+        self._called = False
 
     async def _relay(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
@@ -132,16 +134,32 @@ class EventStream(StreamingResponse):
         self._end_callbacks.append(callback)
 
     async def __call__(self, scope, receive, send) -> None:
+        self._called = True
         try:
             await super().__call__(scope, receive, send)
         finally:
             # In a task of its own: a server that cancels the request when its client leaves
             # (Serve's proxy does) must not cut short the abort, the usage it reports, or the
             # settling and metering that follow it.
-            ending = asyncio.ensure_future(self._end())
-            _ending.add(ending)
-            ending.add_done_callback(_ending.discard)
-            await asyncio.shield(ending)
+            await asyncio.shield(self._ending())
+
+    def _ending(self) -> asyncio.Future:
+        ending = asyncio.ensure_future(self._end())
+        _ending.add(ending)
+        ending.add_done_callback(_ending.discard)
+        return ending
+
+    def __del__(self) -> None:
+        # Never called: nobody will read it. Its end runs all the same (the ending task holds
+        # what it needs), or its slot, lease and renewers would outlive the request.
+        if self._called or not (self._end_callbacks or self._close_source):
+            return
+        self._called = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # collected outside the loop (shutdown): nothing left to run on
+            return
+        self._ending()
 
     async def _end(self) -> None:
         try:

@@ -55,6 +55,8 @@ from serve_app.store import Store
 
 S = TypeVar("S", bound=Stage)
 
+RENEWAL_SLACK_S = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class Collaborators:
@@ -156,6 +158,9 @@ def build_pipeline(
         AuthStage(parts.keyring, lasting.auth_throttle),
     ]
     admitted = _admitted(config, parts)
+    # How long a request may hold a lease or a slot at most: its total deadline, then the
+    # abandoned-usage question and a retry's slack. Renewers stop there, whatever happened.
+    lifetimes = {p.model: p.request_timeout_s + RENEWAL_SLACK_S for p in config.pools}
     stages: list[Stage] = [
         *front,
         MeterStage(lasting.ledger if config.metering.enabled else None, metrics),
@@ -167,12 +172,14 @@ def build_pipeline(
             {p.model: p.default_max_tokens for p in config.pools},
             lasting.settles,
             parts.usage_store,  # patient: a settle is off the request path
+            lifetimes,
         ),
         *cache_stage(config, parts),
         AdmissionStage(
             {p.model: lasting.slots[p.name] for p in admitted},
             {p.model: p.admission.deadline_s for p in admitted},
             metrics,
+            lifetimes,
         ),
     ]
     dispatch = Dispatch(

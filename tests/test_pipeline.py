@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from starlette.requests import ClientDisconnect, Request
@@ -94,3 +95,58 @@ async def test_an_event_stream_the_client_left_before_its_body_still_cleans_up()
     with contextlib.suppress(OSError, ClientDisconnect):
         await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     assert started == [] and closed == [True] and ended == [False]
+
+
+async def test_an_event_stream_never_called_still_cleans_up_once_dropped():
+    """Its request was cancelled between the pipeline's return and the server's call: nobody
+    will ever call it, yet the slot, lease and renewers its stages hold must come back."""
+    import gc
+
+    from serve_app.pipeline import EventStream
+
+    closed, ended = [], []
+
+    async def body():
+        yield b"data: 1\n\n"
+
+    async def close_source():
+        closed.append(True)
+
+    response = EventStream(body(), close_source=close_source, headers={})
+    on_response_end(response, ended.append)
+    del response
+    gc.collect()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert closed == [True] and ended == [False]
+
+
+async def test_an_event_stream_that_was_called_does_not_end_twice_when_dropped():
+    import gc
+
+    from serve_app.pipeline import EventStream
+
+    ended = []
+
+    async def body():
+        yield b"data: 1\n\n"
+
+    async def close_source():
+        return None
+
+    response = EventStream(body(), close_source=close_source, headers={})
+    on_response_end(response, ended.append)
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    del response
+    gc.collect()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert ended == [True]

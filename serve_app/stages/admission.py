@@ -29,6 +29,9 @@ from serve_app.pipeline import Handler, RequestContext, on_response_end
 logger = logging.getLogger("ray.serve")
 
 PRIORITY_HEADER = "x-forge-priority"
+# How long a renewer runs when nothing says how long its request may take (a pool's requests:
+# their total deadline and some slack, ``stack.build_pipeline``).
+MAX_LIFE_S = 3600.0
 _WARN_EVERY_S = 30.0
 
 
@@ -38,9 +41,14 @@ class AdmissionStage:
         slots: Mapping[str, WarmSlots],
         deadlines: Mapping[str, float],
         metrics: ForgeMetrics,
+        lifetimes: Mapping[str, float] | None = None,
     ) -> None:
+        """``lifetimes``: model → how long a request may hold its slot at most (its total
+        deadline and then some): a renewer is never outlived by nothing, even if the response's
+        end is somehow never seen."""
         self.slots = slots  # model name → its pool's slots, as this gateway replica sees them
         self.deadlines = deadlines
+        self.lifetimes = lifetimes or {}
         self.metrics = metrics
         self._last_warning = 0.0
 
@@ -55,7 +63,7 @@ class AdmissionStage:
             return await call_next(ctx)
 
         self.metrics.admitted.inc(tags={"tenant": tenant})
-        renewer = _KeepAlive(slots, lease)
+        renewer = _KeepAlive(slots, lease, self.lifetimes.get(ctx.parsed.model, MAX_LIFE_S))
         released = False
 
         def release(completed: bool = True) -> None:
@@ -113,20 +121,23 @@ class AdmissionStage:
 
 
 class _KeepAlive:
-    """Renews a held lease every third of its TTL while the request runs: a timer rather than a
+    """Renews a held lease every third of its TTL while the request runs, for ``max_life_s`` at
+    most (then the lease lapses on its own: the scheduler reclaims it): a timer rather than a
     task per request, since nearly every request ends long before its first renewal."""
 
-    def __init__(self, slots: WarmSlots, lease: Lease) -> None:
+    def __init__(self, slots: WarmSlots, lease: Lease, max_life_s: float = 0.0) -> None:
         self.slots = slots
         self.lease = lease
         self.period_s = max(0.1, lease.ttl_s / 3)
         self._loop = asyncio.get_running_loop()
+        self._until = self._loop.time() + (max_life_s or MAX_LIFE_S)
         self._timer = self._loop.call_later(self.period_s, self._renew)
         self._task: asyncio.Task | None = None
 
     def _renew(self) -> None:
         self._task = self._loop.create_task(self._send())
-        self._timer = self._loop.call_later(self.period_s, self._renew)
+        if self._loop.time() + self.period_s < self._until:
+            self._timer = self._loop.call_later(self.period_s, self._renew)
 
     async def _send(self) -> None:
         with contextlib.suppress(Exception):

@@ -14,6 +14,7 @@ cut short (a timeout that may have been applied, a client that left mid-call).
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import Mapping
 
@@ -31,6 +32,7 @@ from serve_app.store import Store, StoreError
 
 # A lease outlives its request by this much if the gateway dies; live streams renew it.
 LEASE_TTL_S = 60.0
+MAX_LEASE_LIFE_S = 3600.0  # the renewer's bound when nothing says how long a request may take
 
 
 class QuotaStage:
@@ -42,9 +44,13 @@ class QuotaStage:
         default_max_tokens: Mapping[str, int],
         settles: Settles | None = None,
         settle_store: Store | None = None,
+        lifetimes: Mapping[str, float] | None = None,
     ) -> None:
         """``settles`` lands refunds and releases (the replica's own, kept across rebuilds);
-        ``settle_store``: the store they go through (the patient one; ``store`` by default)."""
+        ``settle_store``: the store they go through (the patient one; ``store`` by default);
+        ``lifetimes``: model → how long a request's lease is renewed at most (its deadline and
+        some slack; then it lapses by itself, whatever became of its request)."""
+        self.lifetimes = lifetimes or {}
         self.store = store
         self.metrics = metrics
         self.quotas = {t.name: TenantQuota.of(t) for t in tenants}
@@ -114,7 +120,10 @@ class QuotaStage:
         metered = reserved_in_store or lease is not None
 
         settled = False
-        renewer = asyncio.create_task(self._keep_lease(quota, lease)) if lease is not None else None
+        renewer = None
+        if lease is not None:
+            life = self.lifetimes.get(ctx.parsed.model, MAX_LEASE_LIFE_S)
+            renewer = asyncio.create_task(self._keep_lease(quota, lease, life))
 
         def settle(completed: bool) -> None:
             nonlocal settled
@@ -133,12 +142,18 @@ class QuotaStage:
         response.headers.update(headers)
         return on_response_end(response, settle)
 
-    async def _keep_lease(self, quota: TenantQuota, lease: str) -> None:
-        """Renew a live request's lease at a third of its TTL: a 10-minute stream keeps it."""
-        while True:
+    async def _keep_lease(self, quota: TenantQuota, lease: str, max_life_s: float) -> None:
+        """Renew a live request's lease at a third of its TTL: a 10-minute stream keeps it;
+        past ``max_life_s`` no request is live, and the lease lapses by itself."""
+        for _ in range(max(1, math.ceil(max_life_s / (LEASE_TTL_S / 3)))):
             await asyncio.sleep(LEASE_TTL_S / 3)
             try:
-                await self.store.renew_lease(quota.stream_key, lease, LEASE_TTL_S)
+                if not await self.store.renew_lease(quota.stream_key, lease, LEASE_TTL_S):
+                    # Gone (the store was flushed or failed over): the live stream takes its
+                    # place back, counted against the cap again, rather than running unseen.
+                    await self.store.acquire_lease(
+                        quota.stream_key, lease, quota.max_streams, LEASE_TTL_S
+                    )
             except StoreError as exc:
                 self._store_failed("renew", exc)
 
