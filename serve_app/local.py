@@ -33,6 +33,7 @@ from serve_app.bridge import PoolBridge
 from serve_app.config.live import serve_config_forge
 from serve_app.config.models import ForgeConfig, PoolConfig
 from serve_app.gateway.server import Gateway
+from serve_app.metering.book import UsageBook
 from serve_app.metrics import ForgeMetrics
 from serve_app.replica.server import Replica
 from serve_app.resilience.board import BreakerBoard
@@ -52,12 +53,14 @@ def build_local_gateway(
     fallback_credentials: Credentials | None = None,
     board: BreakerBoard | None = None,
     tracer: Tracer | None = None,
+    book: UsageBook | None = None,
 ) -> Gateway:
     """A ``Gateway`` whose collaborators all live in this process (see the module docstring).
 
     ``board`` may be shared by several local gateways, as gateway replicas share the board
-    deployment; ``store`` overrides the config's; ``tracer`` (by default the config's, which
-    exports only where OTEL_EXPORTER_OTLP_ENDPOINT is set) traces the gateway and its replicas.
+    deployment; ``store`` and ``book`` (the usage ledger) override the config's; ``tracer``
+    (by default the config's, which exports only where OTEL_EXPORTER_OTLP_ENDPOINT is set)
+    traces the gateway and its replicas.
     """
     tracer = tracer or tracer_for(config.tracing, "forge-gateway")
     metrics = metrics or ForgeMetrics()
@@ -100,6 +103,7 @@ def build_local_gateway(
         breakers,
         tracer,
         usage_store,
+        book,
     )
     return Gateway(config, parts)
 

@@ -33,7 +33,8 @@ from serve_app.auth.keys import KeyRing
 from serve_app.auth.throttle import FailedAuthThrottle
 from serve_app.backends.base import Backend
 from serve_app.config.models import AdmissionConfig, ForgeConfig, PoolConfig
-from serve_app.metering.ledger import UsageLedger
+from serve_app.metering.book import UsageBook
+from serve_app.metering.ledger import UsageLedger, build_book
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
@@ -70,9 +71,11 @@ class Collaborators:
     schedulers: Mapping[str, SchedulerClient]  # pool name → its scheduler (admission pools)
     breakers: BreakerClient
     tracer: Tracer | None = None  # None: nothing traced, nothing added to the path
-    # Usage writes and reports, off the request path: the store with a patient timeout (None:
-    # ``store`` itself, as the embedded store is).
+    # Settles (refunds, lease releases), off the request path: the store with a patient
+    # timeout (None: ``store`` itself, as the embedded store is).
     usage_store: Store | None = None
+    # The durable usage ledger (None: the one the config names, ``metering.ledger.build_book``).
+    book: UsageBook | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +106,7 @@ def build_lasting(config: ForgeConfig, parts: Collaborators) -> LastingParts:
     """The parts that outlive a live rebuild, built once per gateway replica."""
     store_failed = StoreFailures(parts.metrics, "usage kept queued, retried")
     ledger = UsageLedger(
-        parts.usage_store or parts.store,
-        config.metering.retention_days,
+        parts.book if parts.book is not None else build_book(config.metering),
         flush_s=config.metering.flush_s,
         on_error=lambda exc: store_failed("meter", exc),
     )

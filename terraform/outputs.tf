@@ -76,3 +76,9 @@ output "ci_service_account" {
   description = "GitHub Actions secret/variable for google-github-actions/auth: service_account."
   value       = module.ci_identity.service_account_email
 }
+
+output "ledger_url" {
+  description = "FORGE_LEDGER_URL (postgresql://, with the password): also in the forge-ledger-url secret, which is what the pods read."
+  value       = local.ledger_url
+  sensitive   = true
+}

@@ -11,6 +11,7 @@ locals {
     "admin-key-hashes"  = "Operators' /admin key hashes (admin-key-hashes.yaml)."
     "redis-url"         = "FORGE_REDIS_URL: Memorystore with AUTH and TLS (written by Terraform)."
     "redis-ca"          = "Memorystore's server CA certificate (PEM), for the TLS in redis-url (written by Terraform)."
+    "ledger-url"        = "FORGE_LEDGER_URL: the usage ledger, Cloud SQL for PostgreSQL over private IP and TLS (written by Terraform)."
   }
 }
 
@@ -42,6 +43,11 @@ resource "google_secret_manager_secret_iam_member" "forge_reads" {
 resource "google_secret_manager_secret_version" "redis_url" {
   secret      = google_secret_manager_secret.forge["redis-url"].id
   secret_data = local.redis_url
+}
+
+resource "google_secret_manager_secret_version" "ledger_url" {
+  secret      = google_secret_manager_secret.forge["ledger-url"].id
+  secret_data = local.ledger_url
 }
 
 resource "google_secret_manager_secret_version" "redis_ca" {

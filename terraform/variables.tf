@@ -345,3 +345,20 @@ variable "github_ci_ref" {
     error_message = "github_ci_ref must be a full ref such as refs/heads/main."
   }
 }
+
+variable "ledger_tier" {
+  description = "Cloud SQL machine tier of the usage ledger (cloudsql.tf). The gateways write one small transaction per replica per second: the smallest shared-core tier carries it."
+  type        = string
+  default     = "db-g1-small"
+}
+
+variable "ledger_availability_type" {
+  description = "ZONAL: one instance (an outage delays usage, the gateways keep it queued and retry). REGIONAL: a standby in another zone, failover in about a minute, at twice the price."
+  type        = string
+  default     = "ZONAL"
+
+  validation {
+    condition     = contains(["ZONAL", "REGIONAL"], var.ledger_availability_type)
+    error_message = "ledger_availability_type must be ZONAL or REGIONAL."
+  }
+}

@@ -7,6 +7,11 @@ terraform {
       source  = "hashicorp/google"
       version = "~> 6.30"
     }
+    # The ledger database user's password (cloudsql.tf), kept in the state and Secret Manager.
+    random = {
+      source  = "hashicorp/random"
+      version = "~> 3.6"
+    }
   }
 
   # Remote state in GCS, locked by the bucket itself. A backend block takes no variables, so the

@@ -6,3 +6,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # The mode configs/local.yaml runs in (gRPC between deployments, direct ingress); see
 # docs/benchmarks.md. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 runs the suite on Serve's defaults.
 os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _usage_ledger_of_its_own(tmp_path, monkeypatch):
+    """Every gateway a test builds in process keeps its usage in that test's own SQLite file,
+    never the user's (``~/.local/share/forge``) nor another test's. The graphs of the e2e
+    session name theirs in their config (``tests/e2e/conftest.py``)."""
+    from serve_app.metering import ledger
+
+    monkeypatch.setattr(ledger, "DEFAULT_SQLITE_PATH", str(tmp_path / "usage.sqlite3"))

@@ -39,6 +39,7 @@ from serve_app.auth.keys import AdminKeys, KeyRing
 from serve_app.auth.throttle import FailedAuthThrottle, authenticate
 from serve_app.backends.base import PoolControl
 from serve_app.config.models import ForgeConfig, ModelPrice, TenantConfig
+from serve_app.metering.book import BookError
 from serve_app.metering.ledger import UsageLedger, UsageRow, date_range
 from serve_app.replica.faults import FaultSpec
 from serve_app.resilience.client import BreakerClient
@@ -246,6 +247,7 @@ def build_admin_api(
             RequestValidationError: _validation_error,
             errors.ForgeError: _forge_error,
             StoreError: _store_error,
+            BookError: _book_error,
         },
         responses=_errors(401, 403),
     )
@@ -439,6 +441,11 @@ async def _forge_error(request: Request, exc: errors.ForgeError) -> Response:
 async def _store_error(request: Request, exc: StoreError) -> Response:
     logger.warning("usage report failed: %r", exc)
     return errors.error_response(errors.unavailable("Usage store", "store_unavailable"))
+
+
+async def _book_error(request: Request, exc: BookError) -> Response:
+    logger.warning("usage report failed: %r", exc)
+    return errors.error_response(errors.unavailable("Usage ledger", "ledger_unavailable"))
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:

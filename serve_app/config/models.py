@@ -449,13 +449,19 @@ class ModelPrice(_Strict):
 
 
 class MeteringConfig(_Strict):
-    """Usage per tenant, model and day, kept in the store (``serve_app/metering/ledger.py``)."""
+    """Usage per tenant, model and day, kept in a durable ledger (``metering/ledger.py``)."""
 
     enabled: bool = True
+    # The ledger: PostgreSQL at the URL in this variable (a secret: it may hold a password);
+    # naming it is configuring it, so an unset variable stops start-up. Without it, SQLite in
+    # the file at sqlite_path (a laptop's; every gateway replica of the machine shares it;
+    # None: ~/.local/share/forge/usage.sqlite3, ``metering.ledger.DEFAULT_SQLITE_PATH``).
+    database_url_env: str | None = None
+    sqlite_path: str | None = None
     # How long a day's counts are kept: long enough for a year's invoices and their disputes.
     retention_days: Annotated[int, Field(gt=0, le=3660)] = 400
-    # How often a gateway replica writes its queued usage (one store call per tenant and day):
-    # a report lags by about this much, and a replica that dies loses at most this much.
+    # How often a gateway replica writes its queued usage (one transaction for all of it): a
+    # report lags by about this much, and a replica that dies loses at most this much.
     flush_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     currency: str = "USD"
     prices: dict[str, ModelPrice] = Field(default_factory=dict)  # served model name → price

@@ -127,6 +127,7 @@ class Gateway:
                 with contextlib.suppress(Exception):
                     await close()
         await self.lasting.settles.aclose()  # what tenants are owed lands before the store goes
+        await self.lasting.ledger.aclose()  # and the usage queued reaches the ledger
         if self.fallback_health is not None:
             await self.fallback_health.aclose()
         await self.breakers.aclose()
@@ -135,7 +136,9 @@ class Gateway:
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
-        for store in {id(s): s for s in (self.store, self.ledger.store)}.values():
+        for store in {
+            id(s): s for s in (self.store, self._parts.usage_store or self.store)
+        }.values():
             with contextlib.suppress(Exception):
                 await store.close()
 

@@ -1,27 +1,33 @@
-"""Usage per tenant, model and day: what a platform team bills from, kept in the store.
+"""Usage per tenant, model and day: what a platform team bills from, kept in a database.
 
-One request is one ``UsageRecord`` when its response ends (however it ends). Its counts are
-added to the tenant's hash for the day in one atomic store call, and the same record increments
-the Prometheus counters, so the report and the dashboards cannot disagree. Tokens are the
+One request is one ``UsageRecord`` when its response ends (however it ends). The gateway
+replica merges records in memory and writes them in batches, off the request path, to the
+durable ledger (``metering/book.py``: PostgreSQL on a cluster, SQLite on a laptop), each batch
+applied exactly once; the same record increments the Prometheus counters, so the report and the
+dashboards cannot disagree. Tokens are the
 backends' own ``usage``: the engines' counts (an abandoned stream's too, collected from its
 replica), the fallback's, or the cached answer's for a hit. Only where no backend said (a
 fallback stream the client left, a replica that died mid-stream) is the gateway's estimate
 used, and such requests are counted as ``estimated_requests``.
 
-Key layout: ``usage:{tenant}:{YYYY-MM-DD}`` (UTC), a hash whose fields are ``{counter}|{model}``;
-tenants come from the config, so a report reads known keys and never scans the keyspace.
+Rows: (tenant, day (UTC), model, counter) → count; tenants come from the config, so a report
+reads known tenants' rows only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from serve_app.config.models import ConfigError, MeteringConfig
+from serve_app.metering.book import BookError, UsageBook, UsageEntry
+from serve_app.metering.postgres import PostgresBook
+from serve_app.metering.sqlite import SqliteBook
 from serve_app.protocol import count_prompt_tokens
-from serve_app.store import Store, StoreError
 
 # Counters of a day, per model. ``prompt_tokens``/``completion_tokens`` are what the backends
 # processed; a cache hit's tokens are ``cached_tokens`` (nothing was generated for them).
@@ -36,9 +42,10 @@ COUNTERS = (
 )
 # Errors by class, each a counter ``errors_{class}`` (see ``error_class``).
 ERROR_CLASSES = ("invalid", "rate_limited", "upstream", "disconnected", "truncated")
-_SEP = "|"
 DAY_FORMAT = "%Y-%m-%d"
 MAX_REPORT_DAYS = 400
+# The laptop's ledger, where the config names none: durable across runs of `serve run`.
+DEFAULT_SQLITE_PATH = "~/.local/share/forge/usage.sqlite3"
 
 
 def error_class(status: int) -> str | None:
@@ -81,11 +88,6 @@ def day_of(timestamp: float) -> str:
     return dt.datetime.fromtimestamp(timestamp, dt.UTC).strftime(DAY_FORMAT)
 
 
-def usage_key(tenant: str, day: str) -> str:
-    # The tenant in a hash tag: a Redis Cluster keeps a tenant's days on one slot.
-    return f"usage:{{{tenant}}}:{day}"
-
-
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
     """One request's contribution to its tenant's day."""
@@ -94,9 +96,6 @@ class UsageRecord:
     model: str
     day: str
     counts: Mapping[str, int]
-
-    def fields(self) -> dict[str, int]:
-        return {f"{name}{_SEP}{self.model}": n for name, n in self.counts.items() if n}
 
 
 @dataclass(slots=True)
@@ -134,50 +133,47 @@ def date_range(start: dt.date, end: dt.date) -> list[str]:
 
 
 class UsageLedger:
-    """Writes records to the store (batched, retried, each batch applied exactly once) and
-    reads reports back.
+    """Writes records to the book (batched, retried, each batch applied exactly once) and reads
+    reports back.
 
-    Records are merged per tenant and day in memory and written every ``flush_s`` (one store
-    call per tenant-day, not per request). A write that fails stays queued, with its id, and is
-    retried until the store takes it: a timeout that was in fact applied is not applied again
-    (``Store.add_counts(once=...)``), and nothing is lost to a store that is slow or down for a
-    while, only delayed. Memory stays bounded by tenants x days, whatever the outage's length.
-    Only a gateway that dies with writes still queued loses them (at most ``flush_s`` of usage
-    while the store is up).
+    Records are merged per (tenant, day, model, counter) in memory and written every
+    ``flush_s`` as one batch, one transaction. A batch that fails stays queued with its id and
+    is retried until the database takes it: one whose commit landed but whose answer was lost
+    is not applied again (the database refuses its id). Nothing is lost to a database that is
+    slow or down for a while, only delayed, and memory stays bounded by tenants x days x models
+    whatever the outage's length. What a gateway replica that dies loses: what it had not
+    written yet, at most ``flush_s`` of its usage while the database is up (its responses had
+    ended; the client saw them complete) and everything queued while it was down.
     """
 
     def __init__(
         self,
-        store: Store,
-        retention_days: int,
+        book: UsageBook,
         *,
         flush_s: float = 1.0,
-        on_error: Callable[[StoreError], None] | None = None,
+        on_error: Callable[[BookError], None] | None = None,
     ) -> None:
-        self.store = store
-        self.ttl_s = retention_days * 86_400.0
+        self.book = book
         self.flush_s = flush_s
         self.on_error = on_error
-        self._pending: dict[str, dict[str, int]] = {}  # key → field → count, not yet sent
-        self._unconfirmed: dict[str, tuple[str, dict[str, int]]] = {}  # key → (id, counts)
+        self._pending: dict[tuple[str, str, str, str], int] = {}  # not yet in a batch
+        self._unconfirmed: tuple[str, list[UsageEntry]] | None = None  # (id, entries) sent
         self._flusher: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
     def add(self, record: UsageRecord) -> None:
-        """Queue a record (no store call here); the flusher writes it within ``flush_s``."""
-        fields = record.fields()
-        if not fields:
-            return
-        pending = self._pending.setdefault(usage_key(record.tenant, record.day), {})
-        for name, value in fields.items():
-            pending[name] = pending.get(name, 0) + value
-        if self._flusher is None or self._flusher.done():
+        """Queue a record (no database call here); the flusher writes it within ``flush_s``."""
+        for name, value in record.counts.items():
+            if value:
+                key = (record.tenant, record.day, record.model, name)
+                self._pending[key] = self._pending.get(key, 0) + value
+        if self._pending and (self._flusher is None or self._flusher.done()):
             self._flusher = asyncio.get_running_loop().create_task(self._flush_soon())
 
     @property
     def queued(self) -> int:
-        """Tenant-days with counts not yet confirmed by the store."""
-        return len(self._pending.keys() | self._unconfirmed.keys())
+        """Rows with counts not yet confirmed by the database."""
+        return len(self._pending) + (len(self._unconfirmed[1]) if self._unconfirmed else 0)
 
     async def _flush_soon(self) -> None:
         while self._pending or self._unconfirmed:
@@ -185,32 +181,35 @@ class UsageLedger:
             await self.flush()
 
     async def flush(self) -> None:
-        """Send what is queued; a write that fails stays queued for the next flush."""
+        """Send what is queued; a batch that fails stays queued, with its id, for the next."""
         async with self._lock:
-            # A write keeps its id and counts until the store confirms it (a retry must be the
-            # same write); counts of a key whose write is unconfirmed wait for the next one.
-            for key in list(self._pending):
-                if key not in self._unconfirmed:
-                    self._unconfirmed[key] = (uuid.uuid4().hex, self._pending.pop(key))
-            for key, (once, counts) in list(self._unconfirmed.items()):
-                try:
-                    await self.store.add_counts(key, counts, self.ttl_s, once=once)
-                except StoreError as exc:
-                    if self.on_error is not None:
-                        self.on_error(exc)
-                    return  # the store is struggling: the rest waits for the next flush
-                del self._unconfirmed[key]
+            if self._unconfirmed is None and self._pending:
+                entries = [UsageEntry(*key, value) for key, value in self._pending.items()]
+                self._pending = {}
+                self._unconfirmed = (uuid.uuid4().hex, entries)
+            if self._unconfirmed is None:
+                return
+            batch_id, entries = self._unconfirmed
+            try:
+                await self.book.write(batch_id, entries)
+            except BookError as exc:
+                if self.on_error is not None:
+                    self.on_error(exc)
+                return  # the same batch, the same id, next time
+            self._unconfirmed = None
 
-    async def aclose(self, timeout_s: float = 2.0) -> None:
-        """Write what is queued before the gateway goes (retrying for up to ``timeout_s``)."""
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued before the gateway goes (retrying for up to ``timeout_s``),
+        then close the book."""
         if self._flusher is not None:
             self._flusher.cancel()
-        deadline = asyncio.get_running_loop().time() + timeout_s
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while (self._pending or self._unconfirmed) and loop.time() < deadline:
             await self.flush()
             if self._pending or self._unconfirmed:
                 await asyncio.sleep(min(0.2, self.flush_s))
+        await self.book.close()
 
     async def read(
         self,
@@ -224,22 +223,33 @@ class UsageLedger:
         """Rows per tenant, model (and day, unless ``by_day`` is False: summed over the range),
         sorted; a model filter keeps that model's rows only."""
         days = date_range(start, end)
-        names = list(tenants)
-        keys = [usage_key(t, d) for t in names for d in days]
-        hashes = await self.store.read_counts(keys) if keys else []
+        entries = await self.book.read(list(tenants), days[0], days[-1])
         rows: dict[tuple[str, str, str | None], UsageRow] = {}
-        for i, counts in enumerate(hashes):
-            tenant, day = names[i // len(days)], days[i % len(days)]
-            for name_model, value in counts.items():
-                name, _, row_model = name_model.partition(_SEP)
-                if model is not None and row_model != model:
-                    continue
-                key = (tenant, row_model, day if by_day else None)
-                row = rows.get(key)
-                if row is None:
-                    row = rows[key] = UsageRow(tenant, row_model, key[2])
-                row.counts[name] = row.counts.get(name, 0) + value
+        for e in entries:
+            if model is not None and e.model != model:
+                continue
+            key = (e.tenant, e.model, e.day if by_day else None)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = UsageRow(e.tenant, e.model, key[2])
+            row.counts[e.counter] = row.counts.get(e.counter, 0) + e.value
         return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2] or ""))]
+
+
+def build_book(config: MeteringConfig) -> UsageBook:
+    """PostgreSQL where ``database_url_env`` names it (an unset variable stops start-up, with
+    its name: a laptop's file is never a silent stand-in for the cluster's database), else
+    the SQLite file at ``sqlite_path``."""
+    if config.database_url_env:
+        url = os.environ.get(config.database_url_env)
+        if not url:
+            raise ConfigError(
+                f"metering.database_url_env names {config.database_url_env}, which is unset: "
+                "export the PostgreSQL URL there (or drop it for the SQLite file)"
+            )
+        return PostgresBook(url, retention_days=config.retention_days)
+    path = config.sqlite_path or DEFAULT_SQLITE_PATH
+    return SqliteBook(path, retention_days=config.retention_days)
 
 
 def totals(rows: Sequence[UsageRow]) -> dict[str, int]:

@@ -3,9 +3,9 @@
 The design lists metering last because it records what dispatch (or the cache) answered; it
 sits right after auth in the stage list so it also sees what the later stages refuse (a 400, a
 429 from quota or admission) and counts it as an error of its class. The record goes to the
-ledger, which writes it to the store off the request path, batched and retried until the store
-takes it (``metering.UsageLedger``): a slow or absent store delays usage, it does not lose it
-(failed writes are counted in ``forge_store_errors_total{op="meter"}``). The Prometheus counters
+ledger, which writes it to its database off the request path, batched and retried until the
+database takes it (``metering.ledger.UsageLedger``): a slow or absent database delays usage, it
+does not lose it (failed writes are counted in ``forge_store_errors_total{op="meter"}``). The Prometheus counters
 take the same record, so the two agree.
 """
 
@@ -48,11 +48,6 @@ class MeterStage:
         self.metrics.meter(record)
         if self.ledger is not None:
             self.ledger.add(record)
-
-    async def aclose(self) -> None:
-        """Let the last records reach the store before the replica goes."""
-        if self.ledger is not None:
-            await self.ledger.aclose()
 
 
 def usage_record(ctx: RequestContext, status: int, day: str) -> UsageRecord:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -14,16 +14,20 @@ from openapi_spec_validator import validate
 from starlette.routing import Route
 
 from serve_app.admin.openapi import SCHEMA_REF, add_component
+from serve_app.admission import warm_slots
 from serve_app.auth.keys import AdminKeys, hash_key
 from serve_app.config.live import application_config
 from serve_app.config.models import load_config
 from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
+from serve_app.metering.book import BookError
 from serve_app.metering.ledger import UsageRecord
+from serve_app.metering.sqlite import SqliteBook
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.resilience.board import BreakerBoard, ServeBoard
 from serve_app.resilience.breaker import State
-from serve_app.store import MemoryStore, StoreError, StoreUnavailable
+from serve_app.store import MemoryStore, StoreUnavailable
+from tests.polling import eventually_async
 
 ALPHA_KEY = "sk-test-admin-api-alpha"
 BETA_KEY = "sk-test-admin-api-beta"
@@ -54,15 +58,11 @@ def forge_args(**extra) -> dict:
     }
 
 
-class FailingStore(MemoryStore):
-    """The embedded store, except that reading counts fails as a down Redis would."""
+class FailingBook(SqliteBook):
+    """The ledger's file, except that reading fails as a database gone away would."""
 
-    def __init__(self, error: type[StoreError]) -> None:
-        super().__init__()
-        self.error = error
-
-    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
-        raise self.error("usage store down (test)")
+    async def read(self, tenants, first_day, last_day):
+        raise BookError("usage ledger down (test)")
 
 
 @pytest.fixture
@@ -206,17 +206,20 @@ async def test_usage_defaults_to_today_and_filters_by_model(gateway: Gateway):
     assert [r["model"] for r in only["data"]] == [OTHER_MODEL]
 
 
-async def test_a_served_request_shows_in_its_tenants_usage(gateway: Gateway):
+async def test_a_served_request_shows_in_its_tenants_usage(board: BreakerBoard):
+    args = forge_args()
+    args["metering"]["flush_s"] = 0.01  # usage written every 10 ms, not every second
+    gateway = build_local_gateway(load_config(args), board=board)
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     # From yesterday: a test that runs across midnight (UTC) still finds its request.
     yesterday = (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=1)).isoformat()
     query = {"start": yesterday, "group": "total"}
-    async with http(gateway, ALPHA_KEY) as alpha:
+    async with gateway.lifespan(), http(gateway, ALPHA_KEY) as alpha:
         answer = await alpha.post("/v1/chat/completions", json=ask)
         assert answer.status_code == 200, answer.text
         usage = answer.json()["usage"]
 
-        for _ in range(500):  # metering writes off the request path
+        for _ in range(500):  # metering writes off the request path: poll the report for it
             data = (await alpha.get("/v1/usage", params=query)).json()["data"]
             if data:
                 break
@@ -273,14 +276,14 @@ async def test_a_range_of_400_days_is_fine(gateway: Gateway):
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("error", [StoreError, StoreUnavailable])
 @pytest.mark.parametrize(("path", "key"), [("/v1/usage", ALPHA_KEY), ("/admin/usage", ADMIN_KEY)])
-async def test_a_failing_store_is_a_503_not_a_stack_trace(path: str, key: str, error: type):
-    gateway = build_local_gateway(load_config(forge_args()), store=FailingStore(error))
+async def test_a_failing_ledger_is_a_503_not_a_stack_trace(path: str, key: str, tmp_path):
+    book = FailingBook(tmp_path / "usage.sqlite3")
+    gateway = build_local_gateway(load_config(forge_args()), book=book)
     async with gateway.lifespan(), http(gateway, key) as client:
         response = await client.get(path)
     problem = assert_error(response, 503, "api_error")
-    assert "usage store unavailable" in problem["message"].lower()
+    assert "usage ledger unavailable" in problem["message"].lower()
     assert response.headers["retry-after"]
 
 
@@ -358,7 +361,8 @@ async def test_status_shows_the_store_its_errors_and_each_pools_replicas():
     assert after["fallback"] is None
 
 
-async def test_status_shows_admission_slots_by_tenant_while_held_and_after():
+async def test_status_shows_admission_slots_by_tenant_while_held_and_after(monkeypatch):
+    monkeypatch.setattr(warm_slots, "BOOKS_FLUSH_S", 0.01)  # parks reach it in 10 ms, not 1 s
     args = forge_args()
     args["pools"][0]["admission"] = {"max_inflight": 4, "queue_cap": 2}
     args["pools"][0]["engine"] = FAST | {"decode_base_s": 0.05}
@@ -372,11 +376,14 @@ async def test_status_shows_admission_slots_by_tenant_while_held_and_after():
             assert streaming.status_code == 200
             during = (await admin.get("/admin/status")).json()["pools"][0]["admission"]
             await streaming.aread()
-        for _ in range(100):  # a freed slot reaches the scheduler with the next batch of ops
-            after = (await admin.get("/admin/status")).json()["pools"][0]["admission"]
-            if not any(after["inflight"].values()):
-                break
-            await asyncio.sleep(0.05)
+        scheduler = gateway.schedulers["primary"].scheduler
+        await eventually_async(  # a freed slot reaches the scheduler with the next batch of ops
+            lambda: not any(scheduler.snapshot().inflight.values()),
+            timeout_s=10,
+            what="the freed slot at the scheduler",
+            explain=lambda: scheduler.snapshot().inflight,
+        )
+        after = (await admin.get("/admin/status")).json()["pools"][0]["admission"]
     assert during["slots_total"] == 4
     assert during["inflight"] == {"alpha": 1, "beta": 0}
     assert after["inflight"] == {"alpha": 0, "beta": 0}

@@ -15,6 +15,7 @@ from serve_app.auth.keys import hash_key
 from serve_app.config.models import ForgeConfig, load_config
 from serve_app.local import build_local_gateway
 from serve_app.metering.ledger import UsageRecord
+from serve_app.metering.sqlite import SqliteBook
 from tests.polling import eventually
 
 
@@ -57,9 +58,10 @@ def usage_config() -> ForgeConfig:
 
 
 @pytest.fixture(scope="module")
-def forge_url() -> Iterator[str]:
+def forge_url(tmp_path_factory) -> Iterator[str]:
     """A gateway with a day of usage, served on a free port of 127.0.0.1 in a thread."""
-    gateway = build_local_gateway(usage_config())
+    book = SqliteBook(tmp_path_factory.mktemp("ledger") / "usage.sqlite3")
+    gateway = build_local_gateway(usage_config(), book=book)
     records = [
         UsageRecord("alpha", MODEL, DAY, {"requests": 3, "prompt_tokens": 1_000_000}),
         UsageRecord("alpha", MODEL, DAY, {"completion_tokens": 500_000, "cached_tokens": 2_000}),

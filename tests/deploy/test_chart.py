@@ -748,7 +748,11 @@ def secret_problems(render: Render) -> list[str]:
         if m
     ]
     args = forge_app(serve_config(render))["args"]
-    from_config = {args.get("store", {}).get("redis_url_env"), args["fallback"].get("api_key_env")}
+    from_config = {
+        args.get("store", {}).get("redis_url_env"),
+        args.get("metering", {}).get("database_url_env"),
+        args["fallback"].get("api_key_env"),
+    }
     for group, spec in pod_specs(render.one("RayService")).items():
         env = {e["name"]: e for e in ray_container(spec)["env"]}
         for name in from_config - {None}:

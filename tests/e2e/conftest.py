@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 from collections.abc import Iterable
 
 import httpx
@@ -66,6 +67,8 @@ SYNC_INTERVAL_S = 0.2  # how soon gateway replicas hear of a breaker change
 BREAKER_THRESHOLD = 3
 COLD_POOL = "cold"  # starts at zero replicas
 GATEWAY = "gateway"  # the ingress deployment's name (serve_app/app.py)
+# The e2e graphs' usage ledger: one file per test session (its gateway replicas share it).
+LEDGER_PATH = os.path.join(tempfile.gettempdir(), f"forge-e2e-usage-{os.getpid()}.sqlite3")
 
 
 def forge_args(port: int, redis_url: str | None) -> dict:
@@ -75,6 +78,8 @@ def forge_args(port: int, redis_url: str | None) -> dict:
     return {
         "gateway": {"max_body_bytes": 64 * 1024, "deployment": gateway},
         "store": {"redis_url": redis_url, "key_prefix": "forge-e2e:"},
+        # The session's own ledger, shared by its gateway replicas (never the user's file).
+        "metering": {"sqlite_path": LEDGER_PATH},
         "admin": {"key_hashes": [_sha(ADMIN_KEY)]},
         "tenants": [
             {"name": "alpha", "key_hashes": [_sha(ALPHA_KEY)]},

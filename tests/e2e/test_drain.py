@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import ALPHA_KEY
+from tests.e2e.conftest import ALPHA_KEY, LEDGER_PATH
 
 # In the default run, not the slow one: in the slow run's session it ran just before the
 # fair-admission drill, whose light tenant then measured 1.9x its baseline (1.4x without it).
@@ -28,6 +28,7 @@ TOKENS = 150  # ~2 s per stream: every one of them is mid-way when the rollout s
 
 def drain_args(decode_s: float) -> dict:
     return {
+        "metering": {"sqlite_path": LEDGER_PATH},
         "tenants": [
             {"name": "alpha", "key_hashes": [hashlib.sha256(ALPHA_KEY.encode()).hexdigest()]}
         ],

@@ -11,21 +11,23 @@ import openai
 import pytest
 
 from serve_app.auth.keys import hash_key
-from serve_app.config.models import load_config
+from serve_app.config.models import ConfigError, MeteringConfig, load_config
 from serve_app.local import build_local_gateway
+from serve_app.metering.book import BookError
 from serve_app.metering.ledger import (
     UsageLedger,
     UsageRecord,
+    build_book,
     date_range,
     error_class,
     totals,
-    usage_key,
 )
+from serve_app.metering.postgres import PostgresBook
+from serve_app.metering.sqlite import SqliteBook
 from serve_app.mock_openai import create_mock_app
 from serve_app.stages.metering import usage_record
-from serve_app.store import MemoryStore, StoreError, StoreUnavailable
 from tests.backends.loopback import serve_on_loopback
-from tests.doubles import DownStore, RecordingMetrics, make_ctx
+from tests.doubles import RecordingMetrics, make_ctx
 from tests.polling import eventually_async
 
 KEY, OTHER_KEY, CAPPED_KEY = "sk-test-meter", "sk-test-other", "sk-test-capped"
@@ -105,8 +107,8 @@ def test_a_refusal_before_the_first_byte_is_charged_nothing():
 # -- the ledger ---------------------------------------------------------------------------------
 
 
-async def test_a_report_sums_days_and_models_and_filters_by_model():
-    ledger = UsageLedger(MemoryStore(), retention_days=30)
+async def test_a_report_sums_days_and_models_and_filters_by_model(tmp_path):
+    ledger = UsageLedger(SqliteBook(tmp_path / "usage.sqlite3"))
     for day, model, n in [("2026-11-29", "a", 1), ("2026-11-30", "a", 2), ("2026-11-30", "b", 4)]:
         ledger.add(UsageRecord("t", model, day, {"requests": n, "prompt_tokens": 10 * n}))
         await ledger.flush()
@@ -126,67 +128,72 @@ async def test_a_report_sums_days_and_models_and_filters_by_model():
     assert totals(only_b) == {"requests": 4, "prompt_tokens": 40}
 
 
-async def test_usage_is_kept_for_the_retention_period_and_no_longer():
-    now = [0.0]
-    store = MemoryStore(clock=lambda: now[0])
-    ledger = UsageLedger(store, retention_days=2)
-    ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1}))
-    await ledger.flush()
-    now[0] = 2 * 86_400 - 1
-    assert await store.read_counts([usage_key("t", "2026-11-30")]) == [{"requests|m": 1}]
-    now[0] = 2 * 86_400 + 1
-    assert await store.read_counts([usage_key("t", "2026-11-30")]) == [{}]
-
-
-class TimesOutAfterWriting(MemoryStore):
-    """A store whose first ``fails`` writes are applied but answer a timeout: the worst case
+class TimesOutAfterWriting(SqliteBook):
+    """A book whose first ``fails`` writes are committed but answer an error: the worst case
     for a retry (was it applied or not?)."""
 
-    def __init__(self, fails: int) -> None:
-        super().__init__()
+    def __init__(self, path, fails: int) -> None:
+        super().__init__(path)
         self.fails = fails
-        self.errors: list[StoreError] = []
+        self.errors: list[BookError] = []
 
-    async def add_counts(self, key, counts, ttl_s, *, once=None) -> bool:
-        applied = await super().add_counts(key, counts, ttl_s, once=once)
+    async def write(self, batch_id, entries) -> bool:
+        applied = await super().write(batch_id, entries)
         if self.fails > 0:
             self.fails -= 1
-            raise StoreUnavailable("timed out (after applying the write)")
+            raise BookError("timed out (after the commit)")
         return applied
 
 
-async def test_a_write_that_timed_out_is_retried_and_counted_once():
-    store = TimesOutAfterWriting(fails=2)
-    ledger = UsageLedger(store, retention_days=1, flush_s=0.01, on_error=store.errors.append)
+async def test_a_write_that_timed_out_is_retried_and_counted_once(tmp_path):
+    book = TimesOutAfterWriting(tmp_path / "usage.sqlite3", fails=2)
+    ledger = UsageLedger(book, flush_s=0.01, on_error=book.errors.append)
     ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1, "prompt_tokens": 5}))
     ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1, "prompt_tokens": 7}))
-    for _ in range(300):
-        if not ledger.queued:
-            break
-        await asyncio.sleep(0.01)
-    assert len(store.errors) == 2
+    await eventually_async(
+        lambda: not ledger.queued,
+        timeout_s=5,
+        what="the flusher to retry the batch until the book confirmed it",
+        explain=lambda: book.errors,
+    )
+    assert len(book.errors) == 2
     rows = await ledger.read(["t"], dt.date(2026, 11, 30), dt.date(2026, 11, 30))
     assert totals(rows) == {"requests": 2, "prompt_tokens": 12}
 
 
-async def test_records_that_arrive_during_an_unconfirmed_write_are_kept_apart():
-    store = TimesOutAfterWriting(fails=1)
-    ledger = UsageLedger(store, retention_days=1, flush_s=60, on_error=store.errors.append)
+async def test_records_that_arrive_during_an_unconfirmed_write_are_kept_apart(tmp_path):
+    book = TimesOutAfterWriting(tmp_path / "usage.sqlite3", fails=1)
+    ledger = UsageLedger(book, flush_s=60, on_error=book.errors.append)
     ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 1}))
-    await ledger.flush()  # applied, but the answer was a timeout: it stays unconfirmed
+    await ledger.flush()  # applied, but the answer was an error: it stays unconfirmed
     ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 10}))
-    await ledger.flush()  # the retry of the first write (a repeat: adds nothing)
+    await ledger.flush()  # the retry of the first batch (a repeat: adds nothing)
     await ledger.flush()  # then the second
     rows = await ledger.read(["t"], dt.date(2026, 11, 30), dt.date(2026, 11, 30))
     assert totals(rows) == {"requests": 11} and ledger.queued == 0
 
 
-async def test_a_closing_gateway_writes_what_it_queued():
-    store = MemoryStore()
-    ledger = UsageLedger(store, retention_days=1, flush_s=60)
+async def test_a_closing_gateway_writes_what_it_queued_and_a_new_one_reads_it(tmp_path):
+    """The gateway replica stops (or is replaced): the usage it queued is in the file, and the
+    next replica's ledger reports it."""
+    path = tmp_path / "usage.sqlite3"
+    ledger = UsageLedger(SqliteBook(path), flush_s=60)
     ledger.add(UsageRecord("t", "m", "2026-11-30", {"requests": 3}))
     await ledger.aclose()
-    assert await store.read_counts([usage_key("t", "2026-11-30")]) == [{"requests|m": 3}]
+    again = UsageLedger(SqliteBook(path))
+    rows = await again.read(["t"], dt.date(2026, 11, 30), dt.date(2026, 11, 30))
+    assert totals(rows) == {"requests": 3}
+    await again.aclose()
+
+
+def test_a_ledger_named_by_an_unset_variable_stops_start_up(monkeypatch):
+    monkeypatch.delenv("FORGE_TEST_NO_LEDGER", raising=False)
+    config = MeteringConfig(database_url_env="FORGE_TEST_NO_LEDGER")
+    with pytest.raises(ConfigError, match="FORGE_TEST_NO_LEDGER"):
+        build_book(config)
+    monkeypatch.setenv("FORGE_TEST_NO_LEDGER", "postgresql://127.0.0.1:1/x")
+    assert isinstance(build_book(config), PostgresBook)
+    assert isinstance(build_book(MeteringConfig()), SqliteBook)
 
 
 def test_a_reversed_or_overlong_range_is_refused():
@@ -238,7 +245,9 @@ async def served(monkeypatch, upstream_app):
     """A gateway on 127.0.0.1 (real sockets: a client can really leave mid-stream)."""
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
     transport = httpx.ASGITransport(upstream_app)
-    gateway = build_local_gateway(load_config(config_args()), fallback_transport=transport)
+    # Usage written every 10 ms, not every second: a test waits for it (``metered``).
+    config = load_config(config_args(metering={"flush_s": 0.01}))
+    gateway = build_local_gateway(config, fallback_transport=transport)
     async with gateway.lifespan(), serve_on_loopback(gateway.asgi_app()) as url:
         yield gateway, url, transport
 
@@ -344,16 +353,33 @@ async def test_refusals_are_metered_as_errors_of_their_class(served):
     assert used["errors_rate_limited"] == 1 and used["errors_invalid"] == 1
 
 
-async def test_with_the_store_down_requests_are_served_and_the_failed_write_counted(
-    monkeypatch, upstream_app
+class LedgerOutage(SqliteBook):
+    """A ledger database that is unreachable (every write a ``BookError``) until ``end()``."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.down = True
+
+    def end(self) -> None:
+        self.down = False
+
+    async def write(self, batch_id, entries) -> bool:
+        if self.down:
+            raise BookError("database down (test double)")
+        return await super().write(batch_id, entries)
+
+
+async def test_with_the_ledger_down_requests_are_served_and_their_usage_waits(
+    monkeypatch, upstream_app, tmp_path
 ):
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
-    metrics = RecordingMetrics()
+    metrics, book = RecordingMetrics(), LedgerOutage(tmp_path / "usage.sqlite3")
     gateway = build_local_gateway(
-        load_config(config_args()),
-        store=DownStore(),
+        # Written every 10 ms, not every second: the failed write comes (and is counted) soon.
+        load_config(config_args(metering={"flush_s": 0.01})),
         metrics=metrics,
         fallback_transport=httpx.ASGITransport(upstream_app),
+        book=book,
     )
     async with gateway.lifespan():
         transport = httpx.ASGITransport(gateway.asgi_app())
@@ -364,10 +390,18 @@ async def test_with_the_store_down_requests_are_served_and_the_failed_write_coun
                 headers={"authorization": f"Bearer {OTHER_KEY}"},
             )
         assert answer.status_code == 200
-
         await eventually_async(
             lambda: {"op": "meter"} in metrics.store_errors.calls,
             timeout_s=5,
-            what="the record the store lost to be counted",
+            what="the write the database refused to be counted",
         )
+        assert gateway.ledger.queued > 0, "kept queued, not dropped"
+        # The database is back before the gateway stops: the queued batch lands (a gateway
+        # that stops with it still down retries for 5 s, UsageLedger.aclose's timeout).
+        book.end()
     assert {"tenant": "other", "model": MODEL, "kind": "prompt"} in metrics.tokens.calls
+    assert gateway.ledger.queued == 0
+    again = SqliteBook(tmp_path / "usage.sqlite3")
+    rows = await UsageLedger(again).read(["other"], TODAY, TODAY)
+    assert totals(rows)["requests"] == 1 and totals(rows)["prompt_tokens"] > 0
+    await again.close()

@@ -127,7 +127,8 @@ applied to the application named serveConfig.appName, as YAML. Everything else i
 
 {{/*
 Environment of every Ray container. Secrets only by reference; the variable names are the ones
-the serve config names (store.redis_url_env, fallback.api_key_env), so the two cannot drift.
+the serve config names (store.redis_url_env, metering.database_url_env, fallback.api_key_env),
+so the two cannot drift.
 Arguments: root, group (the group's values).
 */}}
 {{- define "forge.env" -}}
@@ -158,6 +159,13 @@ Arguments: root, group (the group's values).
     secretKeyRef:
       name: {{ $root.Values.secrets.redisUrl.name }}
       key: {{ $root.Values.secrets.redisUrl.key }}
+{{- end }}{{ end }}
+{{- with $args.metering }}{{ with .database_url_env }}
+- name: {{ . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $root.Values.secrets.ledgerUrl.name }}
+      key: {{ $root.Values.secrets.ledgerUrl.key }}
 {{- end }}{{ end }}
 {{- with $args.fallback }}
 {{- if or (eq (toString .auth) "api_key") (and (not .auth) .api_key_env) }}
