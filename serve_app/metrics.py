@@ -135,6 +135,12 @@ class ForgeMetrics:
             "Requests served without a budget check because the store failed.",
             "tenant",
         )
+        self.locally_metered = counter(
+            "forge_local_budget_total",
+            "Requests held to this gateway replica's share of their tenant's budgets because the "
+            "store failed (the tenant's on_store_failure: local).",
+            "tenant",
+        )
         self.store_state = gauge(
             "forge_store_breaker_state",
             "The store's breaker in this gateway: 0 closed, 1 probing, 2 skipped.",

@@ -175,6 +175,7 @@ def build_pipeline(
             lasting.settles,
             parts.usage_store,  # patient: a settle is off the request path
             lifetimes,
+            1 / gateway_replicas(config),
         ),
         *cache_stage(config, parts),
         AdmissionStage(
@@ -197,6 +198,15 @@ def build_pipeline(
     inference = compose(stages, traced_endpoint(dispatch, tracer, "forge.dispatch"), tracer)
     listing = compose(front, list_models, tracer)
     return Pipeline(compose([root], inference), compose([root], listing), tuple(stages))
+
+
+def gateway_replicas(config: ForgeConfig) -> int:
+    """How many gateway replicas share the budgets, as far as the config says: each one's
+    share while the store is unreachable (the most an autoscaled deployment may run, so the
+    shares never add up to more than the limit)."""
+    deployment = config.gateway.deployment
+    autoscaling = deployment.get("autoscaling_config") or {}
+    return max(1, int(autoscaling.get("max_replicas") or deployment.get("num_replicas") or 1))
 
 
 def cache_stage(config: ForgeConfig, parts: Collaborators) -> list[Stage]:

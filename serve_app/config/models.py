@@ -77,6 +77,10 @@ class TenantConfig(_Strict):
     # tenant that also chose "shared" (same prompts, same model, one answer: cheaper, but a
     # tenant can then tell what another asked before).
     cache_scope: Literal["tenant", "shared"] = "tenant"
+    # While the shared store (Redis) is unreachable: "local" holds the tenant to each gateway
+    # replica's share of its limits (1 / the gateway replicas), in that replica's memory;
+    # "open" serves it unmetered; "closed" refuses its requests (503) until the store is back.
+    on_store_failure: Literal["local", "open", "closed"] = "local"
 
 
 class SimulatedEngineConfig(_Strict):

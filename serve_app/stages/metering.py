@@ -5,8 +5,8 @@ sits right after auth in the stage list so it also sees what the later stages re
 429 from quota or admission) and counts it as an error of its class. The record goes to the
 ledger, which writes it to its database off the request path, batched and retried until the
 database takes it (``metering.ledger.UsageLedger``): a slow or absent database delays usage, it
-does not lose it (failed writes are counted in ``forge_store_errors_total{op="meter"}``). The Prometheus counters
-take the same record, so the two agree.
+does not lose it (failed writes are counted in ``forge_store_errors_total{op="meter"}``). The
+Prometheus counters take the same record, so the two agree.
 """
 
 from __future__ import annotations

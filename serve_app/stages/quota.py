@@ -17,9 +17,11 @@ import asyncio
 import math
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from starlette.responses import Response
 
+from serve_app import errors
 from serve_app.config.models import TenantConfig
 from serve_app.metering.ledger import charged_tokens
 from serve_app.metrics import ForgeMetrics
@@ -28,7 +30,7 @@ from serve_app.protocol import count_prompt_tokens
 from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.stages.settles import Settles
 from serve_app.stages.store_failures import StoreFailures
-from serve_app.store import Store, StoreError
+from serve_app.store import MemoryStore, Store, StoreError
 
 # A lease outlives its request by this much if the gateway dies; live streams renew it.
 LEASE_TTL_S = 60.0
@@ -45,11 +47,14 @@ class QuotaStage:
         settles: Settles | None = None,
         settle_store: Store | None = None,
         lifetimes: Mapping[str, float] | None = None,
+        local_share: float = 1.0,
     ) -> None:
         """``settles`` lands refunds and releases (the replica's own, kept across rebuilds);
         ``settle_store``: the store they go through (the patient one; ``store`` by default);
         ``lifetimes``: model → how long a request's lease is renewed at most (its deadline and
-        some slack; then it lapses by itself, whatever became of its request)."""
+        some slack; then it lapses by itself, whatever became of its request);
+        ``local_share``: this replica's share of each budget while the store is unreachable
+        (1 / the gateway replicas it knows of)."""
         self.lifetimes = lifetimes or {}
         self.store = store
         self.metrics = metrics
@@ -58,6 +63,9 @@ class QuotaStage:
         self._store_failed = StoreFailures(metrics, "serving unmetered")
         self.settles = settles or Settles(StoreFailures(metrics, "retried until it lands"))
         self.settle_store = settle_store or store
+        # While the shared store is unreachable: this replica's share of every budget, here.
+        self.local_store = MemoryStore()
+        self.local_quotas = {t.name: TenantQuota.of(t, share=local_share) for t in tenants}
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         quota = self.quotas[ctx.tenant.name]
@@ -69,70 +77,42 @@ class QuotaStage:
             max_tokens = self.default_max_tokens.get(ctx.parsed.model, 256)
         reserved = prompt_tokens + max_tokens
         quota.check_fits(reserved, prompt_tokens, max_tokens)
-        buckets, amounts = quota.plan(reserved)
 
-        reserved_in_store = False
-        lease: str | None = None
-        # Minted before the call: a call cut short may have taken it, and it is released then.
-        lease_id = None if quota.max_streams is None else uuid.uuid4().hex
-        settle_id = uuid.uuid4().hex  # the refunds' idempotency id (client ids may repeat)
-        asking = False
+        # Ids minted before the calls: a call cut short may have taken its lease, which is then
+        # released; the refunds' idempotency id is ours (client ids may repeat).
+        held = _Held(self.store, quota, None if quota.max_streams is None else uuid.uuid4().hex)
+        settle_id = uuid.uuid4().hex
         headers: dict[str, str] = {}
         try:
-            if buckets:
-                taken = await self.store.take(buckets, amounts)
-                if not taken.granted:
-                    self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "rate_limit"})
-                    raise quota.refused(buckets, amounts, taken)
-                reserved_in_store = True
-                headers = quota.headers(buckets, taken.remaining)
-            if lease_id is not None:
-                asking = True  # the store may grant it even if its answer never arrives
-                granted, holders = await self.store.acquire_lease(
-                    quota.stream_key, lease_id, quota.max_streams, LEASE_TTL_S
-                )
-                asking = False
-                if not granted:
-                    self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
-                    raise quota.too_many_streams(holders)
-                lease = lease_id
-                # This request included: a client (or the gate) sees leaked leases as a low
-                # remainder.
-                headers["x-ratelimit-limit-concurrent-requests"] = str(quota.max_streams)
-                headers["x-ratelimit-remaining-concurrent-requests"] = str(
-                    max(0, quota.max_streams - holders)
-                )
+            await self._reserve(held, reserved, headers)
         except StoreError as exc:
-            # Served without a lease (one the store may have granted before failing to answer
-            # is released); a reservation already taken is still settled (refunded).
             self._store_failed("reserve", exc)
-            self.metrics.unmetered.inc(tags={"tenant": quota.tenant})
-            if asking:
-                self._release(quota, lease_id)
+            if held.asking:  # the store may have granted it before failing to answer
+                self._release(held)
+            held = await self._on_store_failure(ctx, held, reserved, settle_id, headers)
         except BaseException:
             # Refused a lease, or cut short (the client left, the request was cancelled):
             # nothing taken is left behind.
-            if asking:
-                self._release(quota, lease_id)
-            if reserved_in_store:
-                self._refund(quota, buckets, amounts, f"{settle_id}:reserve")
+            if held.asking:
+                self._release(held)
+            if held.reserved:
+                self._refund(held, reserved, f"{settle_id}:reserve")
             raise
-        metered = reserved_in_store or lease is not None
 
         settled = False
         renewer = None
-        if lease is not None:
+        if held.lease is not None:
             life = self.lifetimes.get(ctx.parsed.model, MAX_LEASE_LIFE_S)
-            renewer = asyncio.create_task(self._keep_lease(quota, lease, life))
+            renewer = asyncio.create_task(self._keep_lease(held, life))
 
         def settle(completed: bool) -> None:
             nonlocal settled
             if renewer is not None:
                 renewer.cancel()
-            if settled or not metered:
+            if settled or not (held.reserved or held.lease is not None):
                 return
             settled = True
-            self._settle(quota, ctx, reserved, lease, settle_id)
+            self._settle(held, ctx, reserved, settle_id)
 
         try:
             response = await call_next(ctx)
@@ -142,40 +122,101 @@ class QuotaStage:
         response.headers.update(headers)
         return on_response_end(response, settle)
 
-    async def _keep_lease(self, quota: TenantQuota, lease: str, max_life_s: float) -> None:
+    async def _reserve(self, held: _Held, reserved: int, headers: dict[str, str]) -> None:
+        """Take the request and its tokens, then a stream lease, from ``held.store``; a 429
+        for what the tenant's budget cannot give."""
+        quota = held.quota
+        buckets, amounts = quota.plan(reserved)
+        if buckets:
+            taken = await held.store.take(buckets, amounts)
+            if not taken.granted:
+                self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "rate_limit"})
+                raise quota.refused(buckets, amounts, taken)
+            held.reserved = True
+            headers.update(quota.headers(buckets, taken.remaining))
+        if held.lease_id is not None:
+            held.asking = True
+            granted, holders = await held.store.acquire_lease(
+                quota.stream_key, held.lease_id, quota.max_streams, LEASE_TTL_S
+            )
+            held.asking = False
+            if not granted:
+                self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
+                raise quota.too_many_streams(holders)
+            held.lease = held.lease_id
+            # This request included: a client (or the gate) sees leaked leases as a low remainder.
+            headers["x-ratelimit-limit-concurrent-requests"] = str(quota.max_streams)
+            headers["x-ratelimit-remaining-concurrent-requests"] = str(
+                max(0, quota.max_streams - holders)
+            )
+
+    async def _on_store_failure(
+        self, ctx: RequestContext, held: _Held, reserved: int, settle_id: str, headers: dict
+    ) -> _Held:
+        """The shared store failed this request's reserve: what the tenant's
+        ``on_store_failure`` says. ``local`` (the default): this gateway replica's share of
+        the tenant's budgets, in its own memory; ``open``: served unmetered; ``closed``: a 503.
+        What the shared store did take (a reservation before the lease call failed) is still
+        settled there."""
+        tenant = ctx.tenant
+        mode = tenant.on_store_failure
+        if mode == "closed":
+            if held.reserved:
+                self._refund(held, reserved, f"{settle_id}:closed")
+            self.metrics.shed.inc(tags={"tenant": tenant.name, "reason": "store_unavailable"})
+            raise errors.unavailable("The budget store", "budget_store_unavailable")
+        if mode == "open" or held.reserved:
+            self.metrics.unmetered.inc(tags={"tenant": tenant.name})
+            return held
+        local = _Held(self.local_store, self.local_quotas[tenant.name], held.lease_id)
+        self.metrics.locally_metered.inc(tags={"tenant": tenant.name})
+        try:
+            await self._reserve(local, reserved, headers)
+        except BaseException:
+            if local.reserved:
+                self._refund(local, reserved, f"{settle_id}:reserve")
+            raise
+        return local
+
+    async def _keep_lease(self, held: _Held, max_life_s: float) -> None:
         """Renew a live request's lease at a third of its TTL: a 10-minute stream keeps it;
         past ``max_life_s`` no request is live, and the lease lapses by itself."""
+        quota, store = held.quota, held.store
         for _ in range(max(1, math.ceil(max_life_s / (LEASE_TTL_S / 3)))):
             await asyncio.sleep(LEASE_TTL_S / 3)
             try:
-                if not await self.store.renew_lease(quota.stream_key, lease, LEASE_TTL_S):
+                if not await store.renew_lease(quota.stream_key, held.lease, LEASE_TTL_S):
                     # Gone (the store was flushed or failed over): the live stream takes its
                     # place back, counted against the cap again, rather than running unseen.
-                    await self.store.acquire_lease(
-                        quota.stream_key, lease, quota.max_streams, LEASE_TTL_S
+                    await store.acquire_lease(
+                        quota.stream_key, held.lease, quota.max_streams, LEASE_TTL_S
                     )
             except StoreError as exc:
                 self._store_failed("renew", exc)
 
-    def _settle(
-        self, quota: TenantQuota, ctx: RequestContext, reserved: int, lease: str | None, id_: str
-    ) -> None:
+    def _settles_store(self, held: _Held) -> Store:
+        """Where ``held``'s settles go: the patient store for the shared one, else its own."""
+        return self.settle_store if held.store is self.store else held.store
+
+    def _settle(self, held: _Held, ctx: RequestContext, reserved: int, id_: str) -> None:
         """The reservation to the real usage (a refund, or the overshoot charged), and the
         lease back: both retried until they land (``Settles``)."""
+        store, quota, lease = self._settles_store(held), held.quota, held.lease
         calls = []
-        if quota.tokens is not None:
+        if held.reserved and quota.tokens is not None:
             prompt, completion, _ = charged_tokens(ctx)
             used = prompt + completion
             if used != reserved:
                 tokens, delta = quota.tokens, reserved - used
-                calls.append(lambda: self.settle_store.adjust(tokens, delta, once=id_))
+                calls.append(lambda: store.adjust(tokens, delta, once=id_))
         if lease is not None:
-            calls.append(lambda: self.settle_store.release_lease(quota.stream_key, lease))
+            calls.append(lambda: store.release_lease(quota.stream_key, lease))
         if calls:
             self.settles.land("settle", *calls)
 
-    def _refund(self, quota: TenantQuota, buckets, amounts, id_: str) -> None:
-        store = self.settle_store
+    def _refund(self, held: _Held, reserved: int, id_: str) -> None:
+        store = self._settles_store(held)
+        buckets, amounts = held.quota.plan(reserved)
         self.settles.land(
             "refund",
             *(
@@ -184,6 +225,18 @@ class QuotaStage:
             ),
         )
 
-    def _release(self, quota: TenantQuota, lease_id: str) -> None:
-        key = quota.stream_key
-        self.settles.land("release", lambda: self.settle_store.release_lease(key, lease_id))
+    def _release(self, held: _Held) -> None:
+        store, key, lease_id = self._settles_store(held), held.quota.stream_key, held.lease_id
+        self.settles.land("release", lambda: store.release_lease(key, lease_id))
+
+
+@dataclass(slots=True)
+class _Held:
+    """What one request holds in one store: its reservation, its stream lease."""
+
+    store: Store
+    quota: TenantQuota
+    lease_id: str | None  # minted before the call (released if the call's answer is lost)
+    reserved: bool = False
+    lease: str | None = None
+    asking: bool = False  # a lease call under way: the store may grant it unanswered

@@ -27,19 +27,26 @@ class TenantQuota:
     max_streams: int | None
 
     @classmethod
-    def of(cls, tenant: TenantConfig) -> TenantQuota:
+    def of(cls, tenant: TenantConfig, share: float = 1.0) -> TenantQuota:
+        """The tenant's budgets; with ``share`` < 1, that fraction of each (one gateway
+        replica's part while the shared store is unreachable), never below one request, one
+        stream, or a burst of tokens one request could not fit."""
         limits = tenant.limits
         tag = "{" + tenant.name + "}"
         requests = tokens = None
+        rpm = tpm = None
         if limits.rpm:
             burst = limits.burst_requests or limits.rpm
-            requests = Bucket(f"quota:{tag}:requests", burst, limits.rpm / 60)
+            rpm = max(1, math.floor(limits.rpm * share))
+            requests = Bucket(f"quota:{tag}:requests", max(1.0, burst * share), rpm / 60)
         if limits.tpm:
             burst = limits.burst_tokens or limits.tpm
-            tokens = Bucket(f"quota:{tag}:tokens", burst, limits.tpm / 60)
-        return cls(
-            tenant.name, requests, tokens, limits.rpm, limits.tpm, limits.max_concurrent_streams
-        )
+            tpm = max(1, math.floor(limits.tpm * share))
+            tokens = Bucket(f"quota:{tag}:tokens", max(1.0, burst * share), tpm / 60)
+        streams = limits.max_concurrent_streams
+        if streams is not None:
+            streams = max(1, math.floor(streams * share))
+        return cls(tenant.name, requests, tokens, rpm, tpm, streams)
 
     @property
     def unlimited(self) -> bool:

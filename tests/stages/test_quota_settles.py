@@ -31,7 +31,7 @@ class FlakyStore(MemoryStore):
     timeout). ``gate`` holds an op's call until set (a call still under way)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(clock=lambda: 1000.0)  # no refill mid-test: the levels are exact
         self.plans: dict[str, list[str]] = {}
         self.gates: dict[str, asyncio.Event] = {}
         self.entered: dict[str, asyncio.Event] = {}

@@ -16,7 +16,8 @@ from serve_app.stages import quota as quota_module
 from serve_app.stages.quota import QuotaStage
 from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.store import MemoryStore, StoreError
-from tests.doubles import DownStore, RecordingMetrics
+from tests.doubles import Clock, DownStore, RecordingMetrics
+from tests.polling import eventually_async
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -74,14 +75,36 @@ async def test_a_failure_before_any_byte_refunds_every_token():
     assert level >= 10_000 - 1
 
 
+class CountsRenewals(MemoryStore):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock=clock)
+        self.renewals = 0
+
+    async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
+        self.renewals += 1
+        return await super().renew_lease(key, lease_id, ttl_s)
+
+
 async def test_a_long_stream_keeps_its_lease_and_gives_it_back_at_the_end(monkeypatch):
-    monkeypatch.setattr(quota_module, "LEASE_TTL_S", 0.15)
-    store, t = MemoryStore(), tenant(max_concurrent_streams=1)
+    # The stage renews every TTL/3 of real time (2 ms here); the lease lives on the store's
+    # clock, which moves only here: half a TTL at a time, each step waiting for a renewal to
+    # land. However slow the machine, the lease expires only if the stage stops renewing it.
+    ttl_s = 0.006
+    monkeypatch.setattr(quota_module, "LEASE_TTL_S", ttl_s)
+    clock = Clock(1000.0)
+    store, t = CountsRenewals(clock), tenant(max_concurrent_streams=1)
     stage = QuotaStage(store, RecordingMetrics(), [t], {})
 
     async def slow_body():
         for _ in range(4):
-            await asyncio.sleep(0.1)  # 0.4 s: well past the 0.15 s TTL
+            for _ in range(4):  # two TTLs per chunk
+                renewals = store.renewals
+                clock.advance(ttl_s / 2)
+                await eventually_async(
+                    lambda renewals=renewals: store.renewals > renewals,
+                    timeout_s=5,
+                    what="the stage to renew the stream's lease",
+                )
             yield b"data: {}\n\n"
 
     async def stream(ctx):
@@ -89,7 +112,7 @@ async def test_a_long_stream_keeps_its_lease_and_gives_it_back_at_the_end(monkey
 
     response = await stage(ctx_for(t), stream)
     body = response.body_iterator
-    chunks = [await anext(body) for _ in range(3)]  # 0.3 s in: twice the lease's TTL
+    chunks = [await anext(body) for _ in range(3)]  # six TTLs in on the store's clock
     # While it streams, a second request is refused: the lease was renewed, not expired.
     with pytest.raises(ForgeError) as info:
         await stage(ctx_for(t), answered({}))
@@ -119,8 +142,9 @@ async def test_the_concurrent_request_cap_and_its_remainder_are_in_the_headers()
     assert seen[0].headers["x-ratelimit-remaining-concurrent-requests"] == "1"
 
 
-async def test_a_failing_store_serves_unmetered_and_counts():
-    metrics, t = RecordingMetrics(), tenant(rpm=1)
+async def test_a_failing_store_serves_an_open_tenant_unmetered_and_counts():
+    metrics = RecordingMetrics()
+    t = tenant(rpm=1).model_copy(update={"on_store_failure": "open"})
     stage = QuotaStage(DownStore(), metrics, [t], {})
     for _ in range(3):
         assert (await stage(ctx_for(t), answered({}))).status_code == 200
@@ -128,12 +152,40 @@ async def test_a_failing_store_serves_unmetered_and_counts():
     assert metrics.unmetered.calls == [{"tenant": "acme"}] * 3
 
 
+async def test_a_failing_store_holds_a_tenant_to_this_replicas_share_of_its_budget():
+    """Two gateway replicas: each holds the tenant to half its 10 requests' burst (and half its
+    stream cap) while the store is unreachable, so together they never give it more than its
+    limit; the 429 says so as any other."""
+    metrics, t = RecordingMetrics(), tenant(rpm=10, max_concurrent_streams=4)
+    stage = QuotaStage(DownStore(), metrics, [t], {}, local_share=0.5)
+    statuses = []
+    for _ in range(7):
+        try:
+            statuses.append((await stage(ctx_for(t), answered({}))).status_code)
+        except ForgeError as err:
+            statuses.append(err.status)
+        await stage.settles.drain()  # its stream lease is back before the next one
+    assert statuses == [200] * 5 + [429] * 2
+    assert metrics.unmetered.calls == []
+    assert TenantQuota.of(t, share=0.5).max_streams == 2
+
+
+async def test_a_failing_store_refuses_a_closed_tenant_with_a_503():
+    metrics = RecordingMetrics()
+    t = tenant(rpm=10).model_copy(update={"on_store_failure": "closed"})
+    stage = QuotaStage(DownStore(), metrics, [t], {})
+    with pytest.raises(ForgeError) as info:
+        await stage(ctx_for(t), answered({}))
+    assert info.value.status == 503 and info.value.code == "budget_store_unavailable"
+    assert info.value.headers["retry-after"]
+
+
 async def test_a_refused_lease_is_a_429_even_when_its_refund_fails():
     """Bug: a refused lease whose refund raised StoreError fell into the fail-open path and
     was served over the tenant's stream cap."""
 
     class RefundFails(MemoryStore):
-        async def adjust(self, bucket, delta):
+        async def adjust(self, bucket, delta, *, once=None):
             raise StoreError("redis went away mid-request")
 
     metrics, t = RecordingMetrics(), tenant(tpm=10_000, max_concurrent_streams=1)
@@ -152,6 +204,8 @@ async def test_a_refused_lease_is_a_429_even_when_its_refund_fails():
         await stage(ctx_for(t), answered({}))
     assert info.value.status == 429
     assert metrics.shed.calls[-1] == {"tenant": "acme", "reason": "concurrency"}
+    await settled()  # the refund goes on in the background, retried until it lands
     assert {"op": "refund"} in metrics.store_errors.calls
     held.set()
     assert (await first).status_code == 200
+    await stage.settles.aclose(0)  # this store never recovers: stop retrying
