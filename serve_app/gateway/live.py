@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
@@ -31,6 +32,7 @@ from serve_app.resilience.settings import breaker_settings
 logger = logging.getLogger("ray.serve")
 
 SETTINGS_RESEND_S = 10.0  # a restarted scheduler or board catches up within this
+KEY_FILES_CHECK_S = 2.0  # a key removed from a mounted key file stops working within this
 
 
 class LiveUpdates:
@@ -52,6 +54,8 @@ class LiveUpdates:
         self.status = {"digest": live_digest(base), "applied_at": time.time(), "refused": None}
         self._changed = asyncio.Event()
         self._push_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._key_files_seen = _key_files_state(base)
 
     async def reconfigure(self, user_config: dict) -> None:
         before = self.status["digest"]
@@ -59,7 +63,7 @@ class LiveUpdates:
             # Everything is built before anything is swapped: a failure changes nothing.
             config = apply_live(self._base, user_config)
             self._apply(config)
-        except (ValueError, OSError) as err:  # a bad field (ConfigError), a bad key file
+        except Exception as err:  # a bad field (ConfigError), a key file unreadable or malformed
             if not self._reconfigured:
                 raise
             digest = settings_digest(user_config)
@@ -75,13 +79,45 @@ class LiveUpdates:
         logger.info("live configuration %s applied (was %s)", self.status["digest"], before)
 
     def start(self) -> None:
-        """Push this replica's settings to the schedulers and the board from now on."""
+        """Push this replica's settings to the schedulers and the board from now on, and watch
+        the mounted key files."""
+        loop = asyncio.get_running_loop()
         if self._push_task is None:
-            self._push_task = asyncio.get_running_loop().create_task(self._push_settings())
+            self._push_task = loop.create_task(self._push_settings())
+        if self._watch_task is None and self._key_files_seen:
+            self._watch_task = loop.create_task(self._watch_key_files())
 
     def stop(self) -> None:
-        if self._push_task is not None:
-            self._push_task.cancel()
+        for task in (self._push_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+
+    async def _watch_key_files(self) -> None:
+        """A mounted key file (tenants' or operators') that changes is read again: a revoked
+        key stops working within ``KEY_FILES_CHECK_S``, with no live change to wait for. A
+        file that does not read (half-written, malformed) is refused like a bad live change:
+        the keys it had keep working, and the refusal shows in ``/admin/status``."""
+        while True:
+            await asyncio.sleep(KEY_FILES_CHECK_S)
+            seen = _key_files_state(self.config)
+            if seen == self._key_files_seen:
+                continue
+            self._key_files_seen = seen
+            try:
+                self._apply(self.config)  # KeyRing.from_config reads the files again
+            except Exception as err:
+                logger.error("key files changed and do not read, keys unchanged: %s", err)
+                self._metrics.config_changes.inc(tags={"outcome": "refused"})
+                self.status = {**self.status, "refused": {"digest": "key files", "error": str(err)}}
+                continue
+            self._metrics.config_changes.inc(tags={"outcome": "applied"})
+            self.status = {**self.status, "keys_read_at": time.time(), "refused": None}
+            logger.info("key files changed: keys read again")
+
+    @property
+    def refused(self) -> bool:
+        """Whether this replica is serving an older configuration than its target."""
+        return self.status.get("refused") is not None
 
     async def _push_settings(self) -> None:
         """At once after a change, then every ``SETTINGS_RESEND_S`` (a restarted scheduler or
@@ -106,3 +142,18 @@ class LiveUpdates:
                 )
             except Exception as exc:
                 logger.warning("breaker board: settings not delivered: %r", exc)
+
+
+def _key_files_state(config: ForgeConfig) -> dict[str, tuple[float, int] | None]:
+    """Each mounted key file's (mtime, size), None where it is missing: what tells a change
+    (a Kubernetes secret update swaps the file's symlink, which changes both)."""
+    paths = [p for p in (config.key_hashes_file, config.admin.key_hashes_file) if p]
+    state: dict[str, tuple[float, int] | None] = {}
+    for path in paths:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            state[path] = None
+        else:
+            state[path] = (stat.st_mtime, stat.st_size)
+    return state

@@ -247,10 +247,16 @@ class Gateway:
 
     async def readyz(self, request: Request) -> Response:
         """Ready while some backend can serve: a pool with a replica up and its breaker not
-        open, or a healthy fallback whose breaker is not open."""
+        open, or a healthy fallback whose breaker is not open. ``config`` says whether this
+        replica serves its target configuration or refused it (and serves the last good one):
+        said, not failed, since a replica replaced for it would start on the same bad target."""
         names = list(self.backends)
         results = await asyncio.gather(*(self._backend_ready(n) for n in names))
-        body = {"ready": any(results), "backends": dict(zip(names, results, strict=True))}
+        body = {
+            "ready": any(results),
+            "backends": dict(zip(names, results, strict=True)),
+            "config": "refused" if self.live.refused else "current",
+        }
         return Response(
             orjson.dumps(body), status_code=200 if body["ready"] else 503, media_type=_JSON
         )
