@@ -338,6 +338,8 @@ async def failover_drill(target: Target, served: Served) -> str:
         raise Skipped("primary absent: every answer is the fallback's; nothing to fail over from")
     if not target.fallback:
         raise Skipped(f"{target.pool} has no fallback to fail over to")
+    if not target.faults:
+        raise Skipped("fault injection is off on this gateway (faults.enabled: false)")
     spec = target.profile.failover
     load = traffic.Stream(
         name="failover",

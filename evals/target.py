@@ -27,6 +27,7 @@ class Target:
     pool_names: list[str] = field(default_factory=list)
     store_kind: str | None = None
     fallback: str | None = None
+    faults: bool = False  # whether the gateway takes POST /admin/faults (faults.enabled)
     primary_serving: bool = False
 
     def __post_init__(self) -> None:
@@ -89,6 +90,7 @@ class Target:
             status = (await self.admin("GET", "/admin/status")).json()
             self.store_kind = status["store"]["kind"]
             self.fallback = status.get("fallback")
+            self.faults = bool(status.get("faults"))
             self.pool_names = [p["name"] for p in status["pools"]]
             if self.pool is None:
                 self.pool = next(

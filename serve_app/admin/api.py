@@ -164,6 +164,7 @@ class GatewayStatus(BaseModel):
     store: StoreStatus
     pools: list[PoolStatus]
     fallback: str | None = Field(description="The fallback's model, if one is configured.")
+    faults: bool = Field(description="Whether POST /admin/faults is on (faults.enabled).")
     config: LiveConfigStatus
 
 
@@ -344,12 +345,20 @@ def build_admin_api(
         operation_id="inject_fault",
         response_model=FaultsSet,
         tags=["admin"],
-        responses=_errors(400, 404),
+        responses=_errors(400, 403, 404),
         dependencies=[Depends(require_admin)],
     )
     async def inject_fault(body: Annotated[FaultRequest, Body()]) -> FaultsSet:
         """Inject a fault on every replica of a pool (mode "none" clears it): what failover
-        drills and the eval gate use. Each replica's new fault, or null if it was not reached."""
+        drills and the eval gate use, where the config turns it on (``faults.enabled``). Each
+        replica's new fault, or null if it was not reached."""
+        if not config.faults.enabled:
+            raise errors.ForgeError(
+                403,
+                "Fault injection is off on this gateway (faults.enabled in its config).",
+                type="permission_error",
+                code="faults_disabled",
+            )
         pool = pools.get(body.pool)
         if pool is None:
             raise errors.ForgeError(

@@ -554,6 +554,14 @@ class GatewayConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
 
 
+class FaultsConfig(_Strict):
+    """Fault injection through ``POST /admin/faults`` (crash, errors, hangs on every replica of
+    a pool): for drills and the deploy gate on a laptop or a staging graph, never production.
+    Off unless a config turns it on; off, the route answers 403."""
+
+    enabled: bool = False
+
+
 class ForgeConfig(_Strict):
     gateway: GatewayConfig = GatewayConfig()
     store: StoreConfig = StoreConfig()
@@ -569,6 +577,7 @@ class ForgeConfig(_Strict):
     cache: CacheConfig = CacheConfig()
     metering: MeteringConfig = MeteringConfig()
     admin: AdminConfig = AdminConfig()
+    faults: FaultsConfig = FaultsConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> ForgeConfig:

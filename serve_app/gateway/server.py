@@ -238,6 +238,7 @@ class Gateway:
             },
             "pools": pools,
             "fallback": self.config.fallback.model if self.config.fallback else None,
+            "faults": self.config.faults.enabled,  # POST /admin/faults on (drills) or off
             # The live configuration this replica serves, and the last change it refused.
             "config": self.live.status,
         }

@@ -54,6 +54,7 @@ def forge_args(**extra) -> dict:
         "pools": [{"name": "primary", "model": MODEL, "engine": FAST}],
         "metering": {"currency": "EUR", "prices": {MODEL: PRICE}},
         "admin": {"key_hashes": [hash_key(ADMIN_KEY)]},
+        "faults": {"enabled": True},
         **extra,
     }
 
@@ -566,3 +567,18 @@ async def test_the_serve_board_passes_describe_and_reset_through(board: BreakerB
     assert await serve_board.reset("primary") == {}
     assert handle.calls == ["describe", "reset"]
     assert await board.describe() == {}
+
+
+async def test_fault_injection_is_refused_with_403_where_the_config_leaves_it_off():
+    args = forge_args()
+    del args["faults"]  # the default: off, as on the cluster (configs/gke.yaml)
+    gateway = build_local_gateway(load_config(args))
+    async with gateway.lifespan(), http(gateway, ADMIN_KEY) as admin:
+        answer = await admin.post(
+            "/admin/faults", json={"pool": "primary", "fault": {"mode": "crash"}}
+        )
+        status = (await admin.get("/admin/status")).json()
+    problem = assert_error(answer, 403, "permission_error")
+    assert problem["code"] == "faults_disabled"
+    assert status["faults"] is False
+    assert gateway.backends["primary"].pool.replica_count() > 0, "no replica was crashed"

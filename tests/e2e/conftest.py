@@ -80,6 +80,7 @@ def forge_args(port: int, redis_url: str | None) -> dict:
         "store": {"redis_url": redis_url, "key_prefix": "forge-e2e:"},
         # The session's own ledger, shared by its gateway replicas (never the user's file).
         "metering": {"sqlite_path": LEDGER_PATH},
+        "faults": {"enabled": True},  # the drills and the admin tests inject faults
         "admin": {"key_hashes": [_sha(ADMIN_KEY)]},
         "tenants": [
             {"name": "alpha", "key_hashes": [_sha(ALPHA_KEY)]},
