@@ -176,6 +176,7 @@ class Gateway:
                     RequestLimits,
                     max_bytes=self.config.gateway.max_header_bytes,
                     max_body_bytes=self.config.gateway.max_body_bytes,
+                    body_timeout_s=self.config.gateway.body_timeout_s,
                 )
             ],
             lifespan=self.lifespan,
