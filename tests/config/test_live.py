@@ -19,6 +19,8 @@ from serve_app.config.models import ConfigError, load_config
 from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
 from serve_app.resilience.board import BreakerBoard
+from serve_app.store import MemoryStore
+from tests.doubles import Clock
 from tests.polling import eventually_async
 
 OLD_KEY, NEW_KEY, TEAM_KEY = "sk-test-live-old", "sk-test-live-new", "sk-test-live-team"
@@ -59,11 +61,15 @@ async def gateway(board) -> AsyncIterator[Gateway]:
         yield gateway
 
 
+def client(gateway: Gateway) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(gateway.asgi_app())
+    return httpx.AsyncClient(transport=transport, base_url="http://forge.test")
+
+
 @pytest.fixture
 async def http(gateway) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(gateway.asgi_app())
-    async with httpx.AsyncClient(transport=transport, base_url="http://forge.test") as client:
-        yield client
+    async with client(gateway) as http:
+        yield http
 
 
 async def ask(http: httpx.AsyncClient, key: str) -> int:
@@ -103,17 +109,22 @@ def test_live_sections_replace_the_args_ones_and_leave_the_rest():
     assert apply_live(base, None) is base
 
 
-async def test_a_new_tenant_and_a_raised_limit_apply_to_the_next_request(gateway, http):
-    assert await ask(http, OLD_KEY) == 200
-    assert await ask(http, OLD_KEY) == 429  # rpm 1
-    assert await ask(http, TEAM_KEY) == 401
-    team = {"name": "team", "key_hashes": [hash_key(TEAM_KEY)]}
-    await gateway.reconfigure({"tenants": [alpha(rpm=1000), team]})
-    assert await ask(http, TEAM_KEY) == 200
-    # The bucket refills at the new rate; its fill level stays in the store (not reset).
-    await asyncio.sleep(0.1)
-    assert await ask(http, OLD_KEY) == 200
-    assert gateway.live.status["refused"] is None
+async def test_a_new_tenant_and_a_raised_limit_apply_to_the_next_request(board):
+    clock = Clock(1000.0)  # the store's: the bucket refills only when the test says
+    gateway = build_local_gateway(load_config(args()), board=board, store=MemoryStore(clock=clock))
+    async with gateway.lifespan(), client(gateway) as http:
+        assert await ask(http, OLD_KEY) == 200
+        assert await ask(http, OLD_KEY) == 429  # rpm 1
+        assert await ask(http, TEAM_KEY) == 401
+        team = {"name": "team", "key_hashes": [hash_key(TEAM_KEY)]}
+        await gateway.reconfigure({"tenants": [alpha(rpm=1000), team]})
+        assert await ask(http, TEAM_KEY) == 200
+        # Its fill level stays in the store (not reset): still empty until it refills, at the
+        # new rate: 0.1 s is 1.7 requests' worth at 1000 a minute (and 1/600th of one at 1).
+        assert await ask(http, OLD_KEY) == 429
+        clock.advance(0.1)
+        assert await ask(http, OLD_KEY) == 200
+        assert gateway.live.status["refused"] is None
 
 
 async def test_a_stream_under_way_finishes_under_the_configuration_it_started_with(gateway, http):

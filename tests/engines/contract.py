@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -26,6 +25,7 @@ import pytest
 
 from serve_app.engines.base import Engine, EngineStats, Kind, Usage
 from serve_app.errors import ForgeError
+from tests.polling import eventually_async
 
 KINDS: tuple[Kind, ...] = ("chat", "completion")
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
@@ -111,12 +111,14 @@ def openai_usage_matches(openai: dict, usage: Usage) -> None:
 async def wait_until(
     predicate: Callable[[], bool], timeout_s: float, what: str, poll_interval_s: float = 0.0
 ) -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout_s`` (0: it must hold now)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what} did not hold within {timeout_s} s")
-        await asyncio.sleep(poll_interval_s)
+    """Poll ``predicate`` until it holds; fail after ``timeout_s`` (0: it must hold now).
+    ``poll_interval_s`` 0 polls again after one event-loop turn."""
+    await eventually_async(
+        predicate,
+        timeout_s=timeout_s,
+        what=what,
+        interval_s=poll_interval_s,
+    )
 
 
 def idle(engine: Engine) -> Callable[[], bool]:

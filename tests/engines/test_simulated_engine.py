@@ -18,6 +18,7 @@ from serve_app.engines.base import Usage
 from serve_app.engines.simulated import SimulatedEngine
 from serve_app.errors import ForgeError
 from serve_app.protocol import prompt_text
+from tests.polling import eventually_async
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}
@@ -215,7 +216,12 @@ async def test_an_abandoned_stream_reports_what_the_engine_generated(make_engine
         read += isinstance(item, bytes)
         if read == 4:  # the role chunk and 3 tokens
             break
-    await asyncio.sleep(0.02)  # steps run on: generated, never read
+    await eventually_async(  # steps run on: generated, never read
+        lambda: engine.stats().generation_tokens >= 6,  # 3 tokens read, 3 more not
+        timeout_s=5,
+        what="the engine to generate past what was read",
+        explain=engine.stats,
+    )
     await stream.aclose()
     usage = await engine.abandoned.collect("gone-1", wait_s=1.0)
     stats = engine.stats()
@@ -240,7 +246,7 @@ async def test_collect_waits_for_an_abort_that_lands_after_the_question(make_eng
     stream = engine.stream(body, "chat", "late-1")
     await anext(stream)
     asked = asyncio.create_task(engine.abandoned.collect("late-1", wait_s=2.0))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # a loop turn: it asks, and then waits for the abort, not for time
     assert not asked.done()
     await stream.aclose()
     usage = await asked
@@ -258,6 +264,7 @@ async def test_embeddings_take_slots_and_prefill_but_generate_nothing(make_engin
     async def watch() -> None:
         while True:
             running.append(engine.stats().num_requests_running)
+            # A sampler, not a wait: a fifth of a step, and timers fire in deadline order.
             await asyncio.sleep(0.002)
 
     watcher = asyncio.create_task(watch())

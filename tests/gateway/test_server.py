@@ -26,7 +26,7 @@ from serve_app.stages.quota import QuotaStage
 from serve_app.stages.request_id import RequestIdStage
 from serve_app.stages.telemetry import TelemetryStage
 from serve_app.store import GuardedStore
-from tests.doubles import DownStore, RecordingMetrics
+from tests.doubles import Clock, DownStore, RecordingMetrics
 from tests.polling import eventually_async
 
 KEY = "sk-test-gateway"
@@ -212,12 +212,22 @@ async def test_the_fallback_is_probed_from_start_up_even_if_nobody_asks(monkeypa
         assert failures >= 1
 
 
-async def test_with_the_store_down_requests_are_served_unmetered_and_it_is_skipped(monkeypatch):
+@pytest.mark.parametrize("on_store_failure", ["local", "open"])
+async def test_with_the_store_down_budgets_hold_locally_or_open_and_the_store_is_skipped(
+    monkeypatch, on_store_failure
+):
+    """Redis gone (the review's case: a tenant with ``rpm: 10`` sent 30 and all were served):
+    by default each gateway replica holds the tenant to its share of the limits (one replica
+    here: the whole burst of 2), and only a tenant that chose ``open`` is served unmetered."""
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
     down, metrics = DownStore(), RecordingMetrics()
+    args = forge_args()
+    args["tenants"][1]["on_store_failure"] = on_store_failure
     gateway = build_local_gateway(
-        load_config(forge_args()),
-        store=GuardedStore(down),
+        load_config(args),
+        # On a clock that moves only when told: the guard's 1 s cooldown cannot end mid-test
+        # (a probe would reach the store) however slowly the ten requests run.
+        store=GuardedStore(down, clock=Clock()),
         metrics=metrics,
         fallback_transport=upstream(),
     )
@@ -233,5 +243,10 @@ async def test_with_the_store_down_requests_are_served_unmetered_and_it_is_skipp
             for _ in range(10)
         ]
         assert down.calls == 3, "after three failures the store was not asked again"
-    assert statuses == [200] * 10  # over its 2-request burst: nothing enforces it now
-    assert metrics.unmetered.calls == [{"tenant": "capped"}] * 10
+    if on_store_failure == "open":
+        assert statuses == [200] * 10  # over its 2-request burst: nothing enforces it
+        assert metrics.unmetered.calls == [{"tenant": "capped"}] * 10
+    else:
+        assert statuses == [200] * 2 + [429] * 8  # its burst of 2, from this replica's memory
+        assert metrics.unmetered.calls == []
+        assert metrics.locally_metered.calls == [{"tenant": "capped"}] * 10

@@ -137,6 +137,8 @@ def gateway_double():
             error = b'data: {"error": {"message": "upstream died", "type": "server_error"}}\n\n'
             return await respond(send, 200, sse, [content, error, b"data: [DONE]\n\n"])
         if key == b"stall":
+            # The behaviour under test: a server silent past the client's 0.3 s timeout. A
+            # bounded sleep, not a hang, so that uvicorn can still shut down.
             await asyncio.sleep(1.0)
             return await respond(send, 200, sse, [content])
         backend = b"fallback" if key == b"fallback" else b"primary"

@@ -9,6 +9,7 @@ import pytest
 
 from serve_app.replica.faults import InjectedFault
 from serve_app.replica.server import Replica
+from tests.polling import eventually_async
 
 BODY = {
     "model": "m",
@@ -42,7 +43,13 @@ async def test_frames_ready_together_travel_as_one_item():
     items = []
     async for batch in r.stream(BODY, "chat", "req-1"):
         items.append(batch)
-        await asyncio.sleep(0.01)  # a slow consumer: the engine runs ahead meanwhile
+        # A slow consumer: it takes the next item only once the engine has generated them all.
+        await eventually_async(
+            lambda: r.engine.llm.generation_tokens == 12,
+            timeout_s=5,
+            what="the engine to run ahead and generate all 12 tokens",
+            explain=r.stats,
+        )
     frames = sum(1 for b in items for x in b if type(x) is bytes)
     assert frames == 1 + 12 + 1 + 1  # role, tokens, finish, usage
     assert len(items) < frames / 2
@@ -68,12 +75,20 @@ async def test_closing_the_stream_aborts_the_generation():
     body = {**BODY, "max_tokens": 500, "ignore_eos": True}
     stream = r.stream(body, "chat", "req-1")
     await anext(stream)
-    await asyncio.sleep(0.03)
+    await eventually_async(
+        lambda: r.engine.llm.generation_tokens >= 2,
+        timeout_s=5,
+        what="the generation to get under way",
+        explain=r.stats,
+    )
     assert r.stats()["num_requests_running"] == 1
     await stream.aclose()
-    for _ in range(10):
-        await asyncio.sleep(0.01)
-    assert r.stats()["num_requests_running"] == 0
+    await eventually_async(
+        lambda: r.stats()["num_requests_running"] == 0,
+        timeout_s=5,
+        what="the closed stream's generation to be aborted",
+        explain=r.stats,
+    )
 
 
 async def test_error_fault_fails_before_any_frame():
@@ -86,10 +101,13 @@ async def test_error_fault_fails_before_any_frame():
 
 
 async def test_hang_fault_waits_until_cancelled():
-    r = replica()
+    r, control = replica(), replica()
     r.set_fault({"mode": "hang"})
     task = asyncio.ensure_future(collect(r))
-    await asyncio.sleep(0.05)
+    # The same request without the fault runs to its end meanwhile; the hung one got nowhere.
+    assert await collect(control)
+    assert r.stats()["open_streams"] == 1
+    assert r.engine.llm.generation_tokens == 0
     assert not task.done()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

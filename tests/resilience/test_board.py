@@ -113,11 +113,12 @@ async def test_the_sync_loop_pushes_failures_at_once():
     await client.admit("x")  # starts the loop
     for _ in range(3):
         client.record("primary", Outcome.FAILURE)
-    for _ in range(50):
-        await asyncio.sleep(0.01)
-        if client.state("primary") is State.OPEN:
-            break
-    assert client.state("primary") is State.OPEN  # long before the 60 s interval
+    await eventually_async(  # long before the 60 s interval
+        lambda: client.state("primary") is State.OPEN,
+        timeout_s=5,
+        what="the failures pushed to the board and its verdict back",
+        explain=lambda: client.state("primary"),
+    )
     await client.aclose()
 
 

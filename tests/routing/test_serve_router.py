@@ -10,7 +10,6 @@ No Ray cluster: Ray's metric objects work without one.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -28,6 +27,7 @@ from serve_app.resilience.breaker import BreakerSettings, Outcome
 from serve_app.resilience.client import BreakerClient
 from serve_app.routing.serve_router import ForgeRequestRouter
 from tests.doubles import MODEL, Clock
+from tests.polling import eventually_async
 
 APP = "forge-test"
 DEPLOYMENT = DeploymentID(name="pool-primary", app_name=APP)
@@ -304,11 +304,9 @@ async def test_prefix_affinity_sends_the_same_prompt_to_the_same_replica():
 
 async def wait_for(condition, timeout_s: float = 5.0) -> None:
     """The index applies events on its own thread: give it the milliseconds it needs."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "the router's index never caught up"
-        await asyncio.sleep(0.005)
+    await eventually_async(
+        condition, timeout_s=timeout_s, what="the router's index to catch up", interval_s=0.005
+    )
 
 
 @pytest.fixture

@@ -477,19 +477,19 @@ async def test_while_the_pools_engine_is_unknown_or_changing_nothing_is_kept_or_
     from starlette.responses import JSONResponse
 
     from serve_app.config.models import CacheConfig, TenantConfig
-    from serve_app.metrics import ForgeMetrics
     from serve_app.stages.cache import CachedPool, CacheStage
     from serve_app.store import MemoryStore
     from tests.doubles import MODEL, make_ctx
 
     identity: list[str | None] = [None]
+    metrics = RecordingMetrics()
     stage = CacheStage(
         MemoryStore(),
-        ForgeMetrics(),
+        metrics,
         CacheConfig(),
         {MODEL: CachedPool("primary", lambda: identity[0])},
     )
-    served = 0
+    served = misses = 0
 
     async def engine(ctx) -> JSONResponse:
         nonlocal served
@@ -506,13 +506,22 @@ async def test_while_the_pools_engine_is_unknown_or_changing_nothing_is_kept_or_
         return JSONResponse(ctx.completion)
 
     async def ask() -> str:
+        nonlocal misses
         ctx = make_ctx(stream=False)
         ctx.body["temperature"] = 0
         ctx.parsed = ctx.parsed.model_copy(update={"temperature": 0})
         ctx.tenant = TenantConfig(name="alpha", key_hashes=["a" * 64])
         response = await stage(ctx, engine)
-        await asyncio.sleep(0.05)  # the entry is written off the request path
-        return response.headers["x-forge-cache"]
+        result = response.headers["x-forge-cache"]
+        if result == "miss":  # its entry is written off the request path: wait for it
+            misses += 1
+            await eventually_async(
+                lambda: metrics.cache_stores.calls == [{"result": "stored"}] * misses,
+                timeout_s=5,
+                what="the miss's answer kept",
+                explain=lambda: metrics.cache_stores.calls,
+            )
+        return result
 
     assert [await ask(), await ask()] == ["bypass", "bypass"]  # not said yet
     identity[0] = "engine-1"

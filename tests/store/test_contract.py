@@ -1,20 +1,68 @@
 """One contract, two stores: every test here runs against MemoryStore and RedisStore.
 
-Timing tests use short real sleeps with fast refill rates and assert ranges, not exact values: on
-Redis the clock is the server's, and a busy machine may oversleep.
+Time passes through ``passing`` (``Passage``): on the memory store it is a hand-driven clock, so
+its timing tests are exact and instant; on Redis the clock is the server's and only real time
+moves it, so there it sleeps. A busy machine may oversleep by any amount, so what a Redis timing
+test asserts either holds however late it wakes (an expiry has happened) or is bracketed by the
+time the test measured around the calls (a refill), and anything that must still be alive when
+the test looks has a TTL many times the wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
+from collections.abc import AsyncIterator
 from uuid import uuid4
 
 import pytest
 
-from serve_app.store import Bucket, Store, StoreError
+from serve_app.store import Bucket, MemoryStore, Store, StoreError
+from tests.doubles import Clock
 
 SLOW = 1e-6  # a refill rate that is negligible over a test's lifetime
+SKEW_S = 0.005  # the Redis server's clock against ours over a test (same host; µs in practice)
+
+
+class Passage:
+    """Lets time pass for the store under test, and reads the time it keeps.
+
+    ``clock`` is the memory store's (moved only by ``elapse``) or, for Redis, this host's
+    monotonic clock: a reading before a call and one after it bracket the server's ``TIME`` in it.
+    """
+
+    def __init__(self, clock: Clock | None) -> None:
+        self._clock = clock
+
+    def now(self) -> float:
+        return time.monotonic() if self._clock is None else self._clock()
+
+    async def elapse(self, seconds: float) -> None:
+        if self._clock is None:
+            await asyncio.sleep(seconds)  # Redis keeps the server's time: only real time moves it
+        else:
+            self._clock.advance(seconds)
+
+    @property
+    def skew_s(self) -> float:
+        return SKEW_S if self._clock is None else 0.0
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(1000.0)
+
+
+@pytest.fixture
+async def store(store: Store, clock: Clock) -> AsyncIterator[Store]:
+    """The conftest's stores, the memory one replaced by one on the hand-driven clock."""
+    yield MemoryStore(clock=clock) if isinstance(store, MemoryStore) else store
+
+
+@pytest.fixture
+def passing(store: Store, clock: Clock) -> Passage:
+    return Passage(clock if isinstance(store, MemoryStore) else None)
 
 
 def bucket(capacity: float, refill_per_s: float = SLOW, name: str = "b") -> Bucket:
@@ -56,22 +104,29 @@ async def test_zero_amounts_are_allowed(store: Store) -> None:
     assert result.remaining == pytest.approx((9, 100), abs=1e-3)
 
 
-async def test_retry_after_is_the_deficit_over_the_rate(store: Store) -> None:
+async def test_retry_after_is_the_deficit_over_the_rate(store: Store, passing: Passage) -> None:
     b = bucket(10, refill_per_s=2)
+    start = passing.now()
     assert (await store.take([b], [10])).granted
     refused = await store.take([b], [4])
+    took_s = passing.now() - start + passing.skew_s
     assert not refused.granted
-    # ~4 tokens short at 2/s is ~2 s, less whatever refilled since the first take.
-    assert 1.5 < refused.retry_after_s <= 2.0
+    # 4 tokens short at 2/s is 2 s, less whatever refilled between the two takes.
+    assert 2.0 - 2 * took_s <= refused.retry_after_s <= 2.0
     assert refused.retry_after_s == pytest.approx((4 - refused.remaining[0]) / 2)
 
 
-async def test_retry_after_is_the_slowest_bucket(store: Store) -> None:
+async def test_retry_after_is_the_slowest_bucket(store: Store, passing: Passage) -> None:
     fast, slow = bucket(10, refill_per_s=10, name="fast"), bucket(10, refill_per_s=1, name="slow")
+    start = passing.now()
     assert (await store.take([fast, slow], [10, 10])).granted
     refused = await store.take([fast, slow], [5, 5])
+    took_s = passing.now() - start + passing.skew_s
     assert not refused.granted
-    assert 4.5 < refused.retry_after_s <= 5.0  # the slow bucket: 5 short at 1/s
+    # The slow bucket: 5 short at 1/s, less what refilled between the takes; the fast one's wait
+    # would be a tenth of that.
+    assert 5.0 - took_s <= refused.retry_after_s <= 5.0
+    assert refused.retry_after_s == pytest.approx(5 - refused.remaining[1])
 
 
 async def test_amount_above_capacity_can_never_succeed(store: Store) -> None:
@@ -82,15 +137,23 @@ async def test_amount_above_capacity_can_never_succeed(store: Store) -> None:
     assert await store.peek([requests, tokens]) == pytest.approx((10, 100))
 
 
-async def test_refill_is_continuous_and_capped(store: Store) -> None:
+async def test_refill_is_continuous_and_capped(store: Store, passing: Passage) -> None:
     b = bucket(100, refill_per_s=20)
+    before_take = passing.now()
     assert (await store.take([b], [100])).granted
-    await asyncio.sleep(0.2)
+    after_take = passing.now()
+    await passing.elapse(0.2)
+    before_peek = passing.now()
     (level,) = await store.peek([b])
-    assert 3.5 <= level <= 12  # ~4 after 0.2 s at 20/s; a busy machine may oversleep
+    after_peek = passing.now()
+    # 20/s over however long passed between the take and the peek: 4 after exactly 0.2 s.
+    shortest_s = before_peek - after_take - passing.skew_s
+    longest_s = after_peek - before_take + passing.skew_s
+    assert 20 * shortest_s - 1e-3 <= level <= min(100, 20 * longest_s) + 1e-3
+    assert level >= 4 - 20 * passing.skew_s - 1e-3
     small = bucket(2, refill_per_s=50, name="small")
     assert (await store.take([small], [2])).granted
-    await asyncio.sleep(0.2)  # 10 tokens' worth of refill into a bucket of 2
+    await passing.elapse(0.2)  # 10 tokens' worth of refill into a bucket of 2
     assert await store.peek([small]) == pytest.approx((2,))
 
 
@@ -114,14 +177,19 @@ async def test_adjust_refund_is_capped_at_capacity(store: Store) -> None:
     assert await store.peek([b]) == pytest.approx((100,))
 
 
-async def test_adjust_overshoot_is_debt_that_refill_repays(store: Store) -> None:
+async def test_adjust_overshoot_is_debt_that_refill_repays(store: Store, passing: Passage) -> None:
     b = bucket(10, refill_per_s=50)
-    assert await store.adjust(b, -20) == pytest.approx(-10, abs=0.5)
+    start = passing.now()
+    assert await store.adjust(b, -20) == pytest.approx(-10, abs=1e-3)  # from full: 10 - 20
     refused = await store.take([b], [1])
+    took_s = passing.now() - start + passing.skew_s
     assert not refused.granted
+    # In debt: 11 short at 50/s is 0.22 s, less what refilled between the adjust and the take.
     assert refused.remaining[0] < 0
-    assert 0.15 < refused.retry_after_s <= 0.22  # ~11 short at 50/s
-    await asyncio.sleep(0.3)
+    assert -10 - 1e-3 <= refused.remaining[0] <= -10 + 50 * took_s + 1e-3
+    assert refused.retry_after_s == pytest.approx((1 - refused.remaining[0]) / 50)
+    # Half as long again, for the server's clock against ours: oversleeping only refills more.
+    await passing.elapse(refused.retry_after_s * 1.5)
     assert (await store.take([b], [1])).granted
 
 
@@ -164,12 +232,17 @@ async def test_reacquiring_a_held_lease_does_not_count_twice(store: Store) -> No
     assert await store.acquire_lease("streams:t", "b", 2, 10) == (True, 2)
 
 
-async def test_expired_lease_does_not_count_and_renew_extends(store: Store) -> None:
-    assert await store.acquire_lease("streams:t", "crashed", 2, 0.2) == (True, 1)
-    assert await store.acquire_lease("streams:t", "alive", 2, 0.2) == (True, 2)
-    await asyncio.sleep(0.1)
-    assert await store.renew_lease("streams:t", "alive", 0.4)
-    await asyncio.sleep(0.2)  # "crashed" expired; "alive" was renewed past now
+async def test_expired_lease_does_not_count_and_renew_extends(
+    store: Store, passing: Passage
+) -> None:
+    # Both leases are taken for 0.3 s and "alive" is renewed for 10 s at once: a stall of 0.3 s
+    # between those calls would fail it, and the wait below may oversleep by seconds. (It once
+    # took both for 0.2 s, renewed after 0.1 s for 0.4 s and looked at 0.3 s: a loaded machine
+    # oversleeping by 0.2 s expired "alive" too.)
+    assert await store.acquire_lease("streams:t", "crashed", 2, 0.3) == (True, 1)
+    assert await store.acquire_lease("streams:t", "alive", 2, 0.3) == (True, 2)
+    assert await store.renew_lease("streams:t", "alive", 10)
+    await passing.elapse(0.45)  # "crashed" expired however late this wakes; "alive" was renewed
     assert not await store.renew_lease("streams:t", "crashed", 10)
     assert await store.acquire_lease("streams:t", "new", 2, 10) == (True, 2)
     assert await store.acquire_lease("streams:t", "late", 2, 10) == (False, 2)
@@ -188,11 +261,11 @@ async def test_cache_round_trip_absent_and_overwrite(store: Store) -> None:
     assert await store.cache_get("cache:empty") == b""
 
 
-async def test_cache_entry_expires_after_its_ttl(store: Store) -> None:
+async def test_cache_entry_expires_after_its_ttl(store: Store, passing: Passage) -> None:
     await store.cache_put("cache:short", b"v", 0.3)
     await store.cache_put("cache:long", b"v", 10)
     assert await store.cache_get("cache:short") == b"v"
-    await asyncio.sleep(0.4)
+    await passing.elapse(0.45)  # past the short TTL however late it wakes; far inside the long
     assert await store.cache_get("cache:short") is None
     assert await store.cache_get("cache:long") == b"v"
 
@@ -257,10 +330,10 @@ async def test_read_counts_of_several_keys_in_order(store: Store) -> None:
     assert await store.read_counts([]) == []
 
 
-async def test_counts_expire_after_their_ttl(store: Store) -> None:
+async def test_counts_expire_after_their_ttl(store: Store, passing: Passage) -> None:
     await store.add_counts("usage:short", {"x": 1}, 0.3)
     await store.add_counts("usage:long", {"x": 1}, 10)
-    await asyncio.sleep(0.4)
+    await passing.elapse(0.45)  # past the short TTL however late it wakes; far inside the long
     assert await store.read_counts(["usage:short", "usage:long"]) == [{}, {"x": 1}]
     await store.add_counts("usage:short", {"x": 5}, 10)  # a new key: nothing left of the old
     assert await store.read_counts(["usage:short"]) == [{"x": 5}]
