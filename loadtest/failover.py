@@ -1,13 +1,16 @@
 """Failover drill: the whole primary pool fails for 20 s under steady traffic.
 
-    python -m loadtest.failover [--duration 60] [--down-at 20] [--up-at 40]
+    python -m loadtest.failover [--duration 60] [--down-at 20] [--up-at 40] [--check]
 
 12 closed-loop streaming clients (~14 req/s) through Serve's proxy to two gateway replicas
 (sharing the breaker board, and Redis for quotas). At ``--down-at`` every replica of the primary
 pool starts failing every new request (fault injection: a 500 before the first frame, as from a
 node that is gone; streams already running finish), at ``--up-at`` they recover. Required: no
 client-visible error, the fallback serving during the outage, exactly one half-open probe per
-half-open period (the one at recovery succeeds), and traffic back home after it.
+half-open period (the one at recovery succeeds), and traffic back home after it; ``--check``
+exits 1 unless all of that held. (The retry budget allows retries for 10 % of the requests of the
+last 10 s, so an outage that starts in the first ~10 s finds too few requests behind it for the
+12 clients' first failures: start it later.)
 
 Writes ``loadtest/results/failover.json`` and ``docs/img/failover.png``.
 """
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -237,6 +241,7 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--out", default="loadtest/results/failover.json")
     parser.add_argument("--png", default="docs/img/failover.png")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless the drill held")
     args = parser.parse_args()
     # The fallback answers at the primary's pace: a drill where failover looks faster than
     # home would flatter it.
@@ -250,6 +255,28 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"summary": summary, **data}, indent=1))
     plot(data, args.down_at, args.up_at, Path(args.png))
     print(json.dumps(summary, indent=1))
+    failed = problems(summary)
+    for problem in failed:
+        print(f"FAILED {problem}", file=sys.stderr)
+    if args.check and failed:
+        sys.exit(1)
+
+
+def problems(summary: dict) -> list[str]:
+    """What the drill requires (the module's docstring) that this run broke."""
+    out = []
+    phases = summary["phases"]
+    if phases["all"]["client_visible_errors"]:
+        errors = {name: p["client_visible_errors"] for name, p in phases.items() if name != "all"}
+        out.append(f"client-visible errors by phase: {errors}")
+    if not phases["outage"]["served_by_fallback"]:
+        out.append("the fallback served nothing during the outage")
+    periods = summary["probes_per_half_open_period"] or []
+    if not periods or any(n != 1 for n in periods):
+        out.append(f"probes per half-open period {periods}, want one each")
+    if summary["first_home_after_recovery_s"] is None:
+        out.append("no request served by the primary after recovery")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Render a benchmark's JSON results as the Markdown table in docs/benchmarks.md.
 
 python -m loadtest.report loadtest/results/overhead.json
+
+Renders the overhead benchmark's results (``loadtest.overhead``: overhead, stages, side-by-side,
+...) and the routing experiment's (``loadtest.routing``); any other file is refused by name
+(exit 2), not a traceback. The other tools print their own tables.
 """
 
 from __future__ import annotations
@@ -31,9 +35,30 @@ def overhead_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _kind(data: object) -> str | None:
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict):
+        return None
+    if "meta" in data and {"path", "engine", "concurrency"} <= rows[0].keys():
+        return "overhead"
+    if {"workload", "policy", "oracle_hit_rate"} <= rows[0].keys():
+        return "routing"
+    return None
+
+
 def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m loadtest.report FILE")
     data = json.loads(open(sys.argv[1]).read())
-    if "meta" not in data:  # the routing experiment's file
+    kind = _kind(data)
+    if kind is None:
+        print(
+            f"loadtest.report: {sys.argv[1]} is neither loadtest.overhead's results nor "
+            "loadtest.routing's, the two it renders (the other tools print their own tables)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if kind == "routing":
         print(routing_table(data))
         return
     print(

@@ -111,13 +111,19 @@ ENGINE = {
 }
 
 
-def soak_args(fallback_url: str, redis_url: str | None) -> dict:
+def soak_args(fallback_url: str, redis_url: str | None, ledger_path: str | None = None) -> dict:
     """Forge's args for the soak: two gateway replicas sharing Redis, a primary pool of two
-    replicas behind fair admission and the mock fallback, an embedding pool."""
+    replicas behind fair admission and the mock fallback, an embedding pool. Its usage ledger
+    is a SQLite file of its own (a new one per soak unless ``ledger_path`` names one): the
+    metering checks compare the ledger with this soak's traffic, so the laptop's default file,
+    which keeps every earlier run's usage, would fail them from the second run on."""
     no_cpu = {"ray_actor_options": {"num_cpus": 0}}
+    if ledger_path is None:
+        ledger_path = str(Path(tempfile.mkdtemp(prefix="forge-soak-ledger-")) / "usage.sqlite3")
     return {
         "gateway": {"deployment": {"num_replicas": 2 if redis_url else 1, **no_cpu}},
         "store": {"redis_url": redis_url, "key_prefix": KEY_PREFIX},
+        "metering": {"sqlite_path": ledger_path},
         "admin": {"key_hashes": [_sha(ADMIN_KEY)]},
         "tenants": [
             {"name": name, "key_hashes": [_sha(tenant_key(name))], **extra}

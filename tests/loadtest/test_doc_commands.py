@@ -1,0 +1,76 @@
+"""Every command README.md and docs/*.md document has an entry in scripts/doc_commands.py's
+table (its quick run in CI, or why it runs elsewhere), and every entry is still documented:
+``scripts/doc_commands.py --check``, in milliseconds, so a new documented command without a
+quick run fails the ordinary test run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "doc_commands.py"
+
+
+@pytest.fixture(scope="module")
+def doc_commands():
+    spec = importlib.util.spec_from_file_location("doc_commands", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["doc_commands"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("doc_commands", None)
+
+
+def test_every_documented_command_has_an_entry_and_every_entry_is_documented(doc_commands):
+    problems = doc_commands.check()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_new_documented_command_without_an_entry_is_named_with_its_file_and_line(
+    doc_commands,
+):
+    text = "Run it:\n\n```bash\npython -m loadtest.brand_new --fast\n```\n"
+    found = doc_commands.extract() + doc_commands.extract_text(text, "docs/new.md")
+    problems = doc_commands.check(found)
+    assert problems == [
+        "docs/new.md:4: `python -m loadtest.brand_new --fast` is documented but has no entry "
+        "'python -m loadtest.brand_new' in scripts/doc_commands.py's COMMANDS (a quick run, or "
+        "why it runs elsewhere)"
+    ]
+
+
+def test_an_entry_nothing_documents_any_more_is_named(doc_commands):
+    table = {**doc_commands.COMMANDS, "python -m loadtest.gone": doc_commands.Elsewhere("-")}
+    problems = doc_commands.check(table=table)
+    assert problems == [
+        "COMMANDS['python -m loadtest.gone']: no longer documented in README.md or docs/*.md; "
+        "remove it"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("markdown", "keys"),
+    [
+        # Inline, across a line break, with a mode flag; a program named alone is no command.
+        ("see `python -m\nevals.local` and `forge breakers --reset [B]`; `serve` alone", [
+            "python -m evals.local", "forge breakers --reset"]),
+        # A fenced chain: variables, venv prefixes and comments dropped, one key per command.
+        ("```bash\nX=1 .venv/bin/pip install -e . && RAY=0 .venv/bin/serve run configs/a.yaml"
+         "  # why\n```", ["pip install", "serve run configs/a.yaml"]),
+        # A backslash continuation and a quote open across lines (the README's curl).
+        ("```bash\ncurl -N http://127.0.0.1:8000/v1/chat/completions \\\n  -d '{\"a\":\n 1}'\n```",
+         ["curl /v1/chat/completions"]),
+        # kubectl's namespace before its subcommand; a script run with bash; a yaml block skipped.
+        ("```sh\nkubectl -n forge get pods\nbash scripts/x.sh --update\n```\n"
+         "```yaml\nserve run: 1\n```", ["kubectl get", "scripts/x.sh --update"]),
+        # An indented code block, as docs/benchmarks.md writes commands.
+        ("Text:\n\n    python -m loadtest.soak --minutes 30\n", ["python -m loadtest.soak"]),
+        # Paths that merely contain a program's name are not commands.
+        ("`helm/forge` and `~/.cache/forge` and `python3 -m venv .venv`", ["python -m venv"]),
+    ],
+)  # fmt: skip
+def test_the_extractor_keys(doc_commands, markdown, keys):
+    assert [f.key for f in doc_commands.extract_text(markdown, "x.md")] == keys
