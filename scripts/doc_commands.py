@@ -514,6 +514,9 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         "the default run (.ci/run step 1); the doc's `-k mixed_run` is one of its tests"
     ),
     "scripts/secret_scan.sh": Elsewhere(".ci/run step 1b runs `bash scripts/secret_scan.sh`"),
+    "scripts/doc_commands.py": Elsewhere(
+        ".ci/run's last step is this command itself (its --check runs in the default test run)"
+    ),
     "scripts/secret_scan.sh --update": Elsewhere(
         "rewrites the committed .secrets.baseline for a person to audit; the scan that holds "
         "the tree to the baseline is .ci/run step 1b"
