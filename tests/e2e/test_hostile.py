@@ -26,8 +26,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from serve_app import protocol, replica_admin
+from serve_app import protocol
 from serve_app.config.models import GatewayConfig
+from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import (
     ADMIN_KEY,
     ALPHA_KEY,
