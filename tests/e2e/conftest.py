@@ -86,7 +86,14 @@ def forge_args(port: int, redis_url: str | None) -> dict:
             {"name": "alpha", "key_hashes": [_sha(ALPHA_KEY)]},
             {"name": "beta", "key_hashes": [_sha(BETA_KEY)]},
             *(
-                {"name": name, "key_hashes": [_sha(tenant_key(name))], "limits": limits}
+                {
+                    "name": name,
+                    "key_hashes": [_sha(tenant_key(name))],
+                    "limits": limits,
+                    # The outage test's tenant chose to be served unmetered while Redis is down
+                    # (the default, a local share per gateway replica: tests/gateway).
+                    **({"on_store_failure": "open"} if name == "outage" else {}),
+                }
                 for name, limits in LIMITED_TENANTS.items()
             ),
             *({"name": name, "key_hashes": [_sha(tenant_key(name))]} for name in FAIR_TENANTS),
