@@ -8,20 +8,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from starlette.requests import Request
 from starlette.responses import Response
 
 from serve_app.config.models import TenantConfig
-from serve_app.pipeline import RequestContext
-from serve_app.protocol import ChatCompletionRequest
 from serve_app.stages.quota import QuotaStage
 from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.stages.settles import Settles
 from serve_app.stages.store_failures import StoreFailures
 from serve_app.store import MemoryStore, StoreError
 from tests.doubles import RecordingMetrics
+from tests.stages.test_quota_stage import answered, ctx_for
+from tests.stages.test_quota_stage import tenant as quota_tenant
 
-MESSAGES = [{"role": "user", "content": "hello there"}]
 LIMITS = {"tpm": 10_000, "max_concurrent_streams": 1}
 
 
@@ -67,26 +65,7 @@ class FlakyStore(MemoryStore):
 
 
 def tenant() -> TenantConfig:
-    return TenantConfig(name="acme", key_hashes=["a" * 64], limits=LIMITS)
-
-
-def ctx_for(t: TenantConfig, max_tokens: int = 100) -> RequestContext:
-    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
-    ctx = RequestContext(request, "chat")
-    ctx.request_id = "req-1"
-    ctx.tenant = t
-    ctx.body = {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens}
-    ctx.parsed = ChatCompletionRequest.model_validate(ctx.body)
-    return ctx
-
-
-def answered(usage: dict):
-    async def call_next(ctx: RequestContext) -> Response:
-        ctx.usage = usage
-        ctx.first_byte_at = 1.0
-        return Response(b"{}")
-
-    return call_next
+    return quota_tenant(**LIMITS)
 
 
 def stage_over(store: FlakyStore, metrics: RecordingMetrics | None = None) -> QuotaStage:
