@@ -40,7 +40,7 @@ CLIENT_HEADERS = {
     "forwarded": "for=203.0.113.7",
     "x-real-ip": "203.0.113.7",
     "user-agent": "client-agent/1.0",
-    "x-stainless-timeout": "600",
+    "x-stainless-timeout": "599.75",  # not hex: a Forge id (32 hex digits) cannot contain it
     "x-custom-header": "client-custom-value",
 }
 # Everything the upstream may see: httpx's own request headers, the body's type and length,
