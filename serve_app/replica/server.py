@@ -80,6 +80,8 @@ class Replica:
         # the caller sees a stream end only after that, so this never counts one the gateway
         # has finished with (an engine counts a finished sequence until its next step).
         self.open_streams = 0
+        # The generations of those streams by the gateway's request id, for ``abandoned_usage``.
+        self._generations: dict[str, list[_Generation]] = {}
 
     async def _ensure_started(self) -> None:
         if not self._started:
@@ -115,8 +117,9 @@ class Replica:
                 await self.faults.before_first_frame()
                 queue: asyncio.Queue = asyncio.Queue()
                 producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
+                generation = _Generation(request_id, producer, queue, self.engine.abandoned)
+                self._generations.setdefault(request_id, []).append(generation)
                 sent = 0
-                undelivered: Usage | None = None  # the engine's count, until the caller took it
                 try:
                     batch: list = [{"replica": self.replica_id}]
                     while True:
@@ -125,12 +128,12 @@ class Replica:
                             if item is _END:
                                 if batch:
                                     yield batch
-                                undelivered = None  # resumed after its batch: taken
+                                generation.undelivered = None  # resumed after its batch: taken
                                 return
                             if isinstance(item, BaseException):
                                 raise item
                             if isinstance(item, Usage):
-                                undelivered = item
+                                generation.undelivered = item
                                 usage = item.to_openai()
                                 batch.append({"usage": usage})
                                 describe_usage(span, usage)
@@ -145,13 +148,12 @@ class Replica:
                         batch = []
                 finally:
                     # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
-                    producer.cancel()
-                    # A generation that finished is not aborted, so the engine records nothing:
-                    # if its usage never reached the caller (still queued, or in the batch it
-                    # left at), keep it for the gateway's ``abandoned_usage`` as an abort's.
-                    undelivered = undelivered or _queued_usage(queue)
-                    if undelivered is not None:
-                        self.engine.abandoned.record(request_id, undelivered)
+                    generation.end()
+                    live = self._generations.get(request_id, [])
+                    if generation in live:
+                        live.remove(generation)
+                    if not live:
+                        self._generations.pop(request_id, None)
         finally:
             self.open_streams -= 1
 
@@ -230,6 +232,11 @@ class Replica:
         of another replica (the one that served it is gone), None at once."""
         if replica_id is not None and replica_id != self.replica_id:
             return None
+        # The gateway has closed its end; Serve's cancellation of this stream may still be on
+        # its way (or, for a stream parked at a ``yield``, not come until much later). Asked
+        # now, the generation ends now, so its cost is known within the wait, not after it.
+        for generation in list(self._generations.get(request_id, ())):
+            generation.end()
         usage = await self.engine.abandoned.collect(request_id, wait_s)
         return None if usage is None else usage.to_openai()
 
@@ -294,6 +301,36 @@ class Replica:
         await self.engine.shutdown()
         if self.kv_events is not None:
             await self.kv_events.close()
+
+
+class _Generation:
+    """One stream's engine task and the final ``Usage`` its caller has not taken yet.
+
+    ``end`` runs once, from whichever comes first: the stream's own close or the gateway's
+    ``abandoned_usage``. A running generation is aborted (the engine records what it cost);
+    a finished one whose usage never reached the caller (still queued, or in the batch it left
+    at) has that usage recorded as an abort's would be. The two cannot both happen: an engine
+    reports usage only for a generation that finished, an abort only for one that did not.
+    """
+
+    def __init__(self, request_id: str, producer: asyncio.Task, queue: asyncio.Queue, abandoned):
+        self.request_id = request_id
+        self.producer = producer
+        self.queue = queue
+        self.abandoned = abandoned
+        self.undelivered: Usage | None = None
+        self.ended = False
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.producer.cancel()
+        undelivered = self.undelivered or _queued_usage(self.queue)
+        self.undelivered = None
+        if undelivered is not None:
+            self.abandoned.record(self.request_id, undelivered)
+        self.queue.put_nowait(_END)  # a consumer still waiting for items returns
 
 
 def _queued_usage(queue: asyncio.Queue) -> Usage | None:

@@ -54,3 +54,34 @@ async def test_a_stream_the_caller_read_to_its_end_leaves_nothing_to_collect():
     batches = [b async for b in r.stream(BODY, "chat", "req-read")]
     assert batches[-1][-1]["usage"]["completion_tokens"] == 12
     assert await r.abandoned_usage(0.05, request_id="req-read", replica_id=r.replica_id) is None
+
+
+async def test_asked_before_its_stream_is_closed_the_replica_ends_the_generation_itself():
+    """The gateway asks as soon as it has closed its end, and Serve's cancellation of the
+    replica's stream may come later (or, for a stream parked at a ``yield``, not until much
+    later): the answer must not wait for it, nor be lost when it never comes in time."""
+    r = replica()
+    stream = r.stream({**BODY, "max_tokens": 2000, "ignore_eos": True}, "chat", "req-parked")
+    await anext(stream)
+    await anext(stream)  # parked: nobody reads on, nobody closes it
+    usage = await r.abandoned_usage(1.0, request_id="req-parked", replica_id=r.replica_id)
+    assert usage is not None and 0 < usage["completion_tokens"] < 2000
+    assert r.engine.llm.num_requests_running == 0  # aborted, not left generating
+    await stream.aclose()  # Serve's cancellation, late: nothing is counted twice
+    assert await r.abandoned_usage(0.05, request_id="req-parked", replica_id=r.replica_id) is None
+
+
+async def test_a_finished_generation_parked_unread_is_charged_once():
+    r = replica()
+    stream = r.stream(BODY, "chat", "req-finished")
+    await anext(stream)
+    await eventually_async(
+        lambda: r.engine.llm.generation_tokens == 12,
+        timeout_s=5,
+        what="the engine to finish all 12 tokens",
+        explain=r.stats,
+    )
+    usage = await r.abandoned_usage(0.5, request_id="req-finished", replica_id=r.replica_id)
+    assert usage is not None and usage["completion_tokens"] == 12
+    await stream.aclose()
+    assert await r.abandoned_usage(0.05, request_id="req-finished", replica_id=r.replica_id) is None
