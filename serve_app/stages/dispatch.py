@@ -37,7 +37,7 @@ from serve_app.resilience.breaker import Admit, Outcome, State
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.outcomes import classify, retryable
 from serve_app.resilience.retry_budget import RetryBudget
-from serve_app.stages.relay import relay, take_frames
+from serve_app.stages.relay import ClosedOnce, relay, take_frames
 
 _STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _MAX_ATTEMPTS = 2  # the first try and at most one retry
@@ -234,16 +234,17 @@ class Dispatch:
         attempt.answering(ctx)
         _release_pool_slot_on_failover(ctx, backend, candidates)
         head = take_frames(ctx, first)
+        source = ClosedOnce(stream)  # the relay and the response's end both close it
 
         async def close_source() -> None:
-            await stream.aclose()
+            await source.aclose()
             if ctx.usage is None and backend.pool is not None and ctx.replica:
                 # Ended early (the client left, or it failed mid-way): the replica aborted the
                 # generation; charge what its engine produced, not an estimate.
                 ctx.usage = await backend.pool.abandoned_usage(ctx.key, ctx.replica)
 
         return EventStream(
-            relay(ctx, head, stream, lambda outcome: attempt.settle(ctx, outcome)),
+            relay(ctx, head, source, lambda outcome: attempt.settle(ctx, outcome)),
             close_source=close_source,
             headers={**_STREAM_HEADERS, **_served_by(ctx)},
         )

@@ -8,6 +8,7 @@ never text repeated or spliced from another backend. How it ended is reported on
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -55,6 +56,38 @@ async def relay(
     finally:
         on_end(outcome)
         await stream.aclose()
+
+
+class ClosedOnce:
+    """A backend's stream that two ends may close at once: the relay's ``finally`` (in the
+    request's task, which the server cancels when the client leaves) and the response's end
+    (``EventStream``'s ``close_source``, in a task of its own).
+
+    A second ``aclose`` of an async generator still closing raises "already running"; the
+    response's end then never asked the replica what the stream cost, and the tenant was
+    charged an estimate. Here the first caller closes it and any other waits for that close
+    to end (however it ends: a cancelled first caller's close ends with it).
+    """
+
+    def __init__(self, stream: AsyncIterator[list]) -> None:
+        self._stream = stream
+        self._closing: asyncio.Future | None = None
+
+    def __aiter__(self) -> ClosedOnce:
+        return self
+
+    def __anext__(self):
+        return self._stream.__anext__()
+
+    async def aclose(self) -> None:
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
+        self._closing = asyncio.get_running_loop().create_future()
+        try:
+            await self._stream.aclose()
+        finally:
+            self._closing.set_result(None)
 
 
 def take_frames(ctx: RequestContext, batch: list) -> bytes:

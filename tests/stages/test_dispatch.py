@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 from starlette.responses import StreamingResponse
@@ -207,3 +209,67 @@ async def test_two_requests_under_one_client_id_reach_the_backend_under_ids_of_t
     keys = [call[2] for call in primary.calls]
     assert keys == [first.key, second.key] and first.key != second.key
     assert "req-1" not in keys
+
+
+class _CostAsker:
+    """A pool of one replica (``PoolControl``) that answers what an abandoned stream cost, and
+    counts the questions."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+
+    def replica_count(self) -> int:
+        return 1
+
+    def wake(self) -> None:
+        pass
+
+    def avoid(self, request_id: str, replica_id: str) -> None:
+        pass
+
+    def take_routed(self, request_id: str) -> tuple[str, bool] | None:
+        return None
+
+    async def set_fault(self, spec):
+        return {}
+
+    def engine_identity(self) -> str | None:
+        return None
+
+    async def abandoned_usage(self, request_id: str, replica_id: str) -> dict:
+        self.asked.append((request_id, replica_id))
+        return USAGE
+
+
+class _SlowToClose(FakeBackend):
+    """A stream whose close takes a while, as a Serve handle stream's does."""
+
+    def __init__(self, name: str, batches: list[list]) -> None:
+        super().__init__(name, batches)
+        self.pool = _CostAsker()
+
+    async def stream(self, body, kind, request_id, budget_s=None):
+        try:
+            async for batch in super().stream(body, kind, request_id, budget_s):
+                yield batch
+        finally:
+            await asyncio.sleep(0.05)
+
+
+async def test_a_stream_closed_from_both_ends_at_once_is_charged_what_it_cost():
+    """The client left: the relay's ``finally`` (run when the server, or the collector, closes
+    the body) and the response's own end close the backend's stream at the same moment. The
+    second close must not fail, or the replica is never asked and the tenant is charged an
+    estimate (the end-to-end metering test saw it about once in three runs)."""
+    backend = _SlowToClose("primary", [[{"replica": "r-1"}, chunk("a")], [chunk("b")]])
+    ctx = make_ctx()
+    response = await Dispatch({MODEL: [backend]})(ctx)
+    body = response.body_iterator
+    assert await anext(body) == chunk("a")  # the client read the first frame, then left
+    relay_closing = asyncio.create_task(body.aclose())
+    await asyncio.sleep(0.01)  # the relay is closing the backend's stream
+    await response._close_source()  # the response's end, as EventStream runs it
+    await relay_closing
+    assert backend.closed
+    assert backend.pool.asked == [(ctx.key, "r-1")]
+    assert ctx.usage == USAGE
