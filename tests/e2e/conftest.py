@@ -352,7 +352,7 @@ def faults(forge_url):
         replica_admin.reset_breakers(APP)
         eventually(
             lambda: breakers_closed_everywhere(known),
-            timeout_s=10,
+            timeout_s=30,  # a sync interval, on a busy machine (10 s once ran out)
             what="the board and every gateway replica's copy to show all breakers closed",
             explain=lambda: (replica_admin.breaker_states(APP), gateway_breaker_states(known)),
         )
