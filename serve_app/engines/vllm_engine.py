@@ -4,7 +4,8 @@ Forge drives vLLM directly rather than through Ray Serve LLM's ``LLMServer`` (do
 the evaluation): requests go through vLLM's ``OpenAIServingChat`` / ``OpenAIServingCompletion``
 (the objects behind ``vllm serve``), so chat templates, tokenisation, validation and the chunk
 format are vLLM's own, byte for byte. Forge adds only what its replica contract needs: usage for
-metering on every stream, an abort the moment the caller goes away, and the scheduler's numbers
+metering on every stream, an abort the moment the caller goes away (and what the aborted stream
+cost, counted from vLLM's outputs on their way to its serving layer), and the scheduler's numbers
 (running, waiting, KV-cache use, prefix-cache queries and hits) for routing and dashboards.
 vLLM's arguments come from ``vllm_args.py``; its KV-cache events reach the replica's publisher
 through ``vllm_kv_relay.py``.
@@ -17,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
 import orjson
@@ -35,6 +37,8 @@ from serve_app.engines.base import (
 from serve_app.engines.vllm_args import import_first, vllm_server_args
 from serve_app.engines.vllm_kv_relay import VllmKvEventRelay
 from serve_app.kvcache.events import EngineLoad, KvEventPublisher
+
+logger = logging.getLogger("ray.serve")
 
 
 class VLLMEngine(Engine):
@@ -60,9 +64,10 @@ class VLLMEngine(Engine):
         self.config = config
         self.default_max_tokens = default_max_tokens
         self._serial = 0
-        # vLLM's streams carry no usage until their end, so an aborted one's is not known here:
-        # nothing is recorded and the gateway charges its estimate (counted as estimated).
+        # vLLM's streams carry no usage until their end: an aborted one's is what ``_counts``
+        # saw vLLM hand its serving layer, recorded here for the gateway to collect.
         self.abandoned = AbandonedUsage()
+        self._counts = StreamCounts()
         self._load = SchedulerLoad()
         self._args = vllm_server_args(model, config, task)
         # Only a generation pool routes on its cache.
@@ -90,6 +95,9 @@ class VLLMEngine(Engine):
             if self._kv is not None:  # no shutdown will come: remove its socket's directory
                 self._kv.remove_dir()
             raise
+        # vLLM's serving layer streams through ``engine_client.generate``: counted on the way.
+        # Set on the instance, so the serving layer is still handed the AsyncLLM itself.
+        self.llm.generate = self._counts.counted(self.llm.generate)
         self._chat = None
         self._completion = None
         self._embedding = None
@@ -196,30 +204,48 @@ class VLLMEngine(Engine):
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
         request, vllm_ids = self._request(body, kind, request_id, stream=True)
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        frames = await self._serve(request, kind)
-        usage: Usage | None = None
-        try:
-            async for frame in frames:
-                if frame.startswith("data: [DONE]"):
-                    continue  # the gateway ends the stream, not the engine
-                if frame.startswith('data: {"error"'):
-                    raise EngineError(_stream_error_message(frame))
-                data = frame.encode()
-                if '"choices":[]' in frame and '"usage":{' in frame:
-                    usage = _usage_of(orjson.loads(data[6:])["usage"])
-                    if not client_wants_usage:
-                        continue
-                yield data
-        finally:
-            if usage is None:
-                # Cancelled or closed early (client gone, deadline, failure): free the slot now,
-                # not when the garbage collector finalises vLLM's generators.
-                await self._abort(vllm_ids)
-            with contextlib.suppress(Exception):
-                await frames.aclose()
+        with self._counts.open(vllm_ids, kind) as count:
+            frames = await self._serve(request, kind)
+            usage: Usage | None = None
+            ended = False
+            try:
+                async for frame in frames:
+                    if frame.startswith("data: [DONE]"):
+                        continue  # the gateway ends the stream, not the engine
+                    if frame.startswith('data: {"error"'):
+                        raise EngineError(_stream_error_message(frame))
+                    data = frame.encode()
+                    if '"choices":[]' in frame and '"usage":{' in frame:
+                        usage = _usage_of(orjson.loads(data[6:])["usage"])
+                        if not client_wants_usage:
+                            continue
+                    yield data
+                ended = True
+            finally:
+                if usage is None:
+                    # Cancelled or closed early (client gone, deadline, failure): free the slot
+                    # now, not when the garbage collector finalises vLLM's generators.
+                    await self._abort(vllm_ids)
+                with contextlib.suppress(Exception):
+                    await frames.aclose()  # after it, nothing more reaches the count
+                if not (ended and usage is not None):
+                    self._record_abandoned(request_id, usage or count.usage())
         if usage is None:  # never with include_usage forced on; a broken stream if it happens
             raise EngineError("vLLM's stream ended without its usage chunk")
         yield usage
+
+    def _record_abandoned(self, request_id: str, usage: Usage | None) -> None:
+        """What a stream that will not yield its ``Usage`` cost, for ``Replica.abandoned_usage``.
+
+        Exactly the streams whose ``Usage`` never reaches the replica are recorded here, and the
+        replica records a ``Usage`` only once it has it, so no stream is charged twice: a stream
+        that ended yields its ``Usage`` and is never recorded here. ``usage`` is vLLM's own
+        final count when its usage chunk came before the end (a stream left at ``[DONE]``),
+        else the count of what vLLM handed the stream; None when that is unknown, and the
+        gateway charges its estimate.
+        """
+        if usage is not None:
+            self.abandoned.record(request_id, usage)
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
         if kind == "embedding":
@@ -228,6 +254,8 @@ class VLLMEngine(Engine):
         try:
             response = await self._serve(request, kind)
         except asyncio.CancelledError:
+            # Not recorded in ``abandoned``: only a stream's cost is ever asked for (the
+            # gateway's question follows a stream it closed early; ``Dispatch._stream``).
             await self._abort(vllm_ids)
             raise
         # What vLLM's server returns for it (JSONResponse(content=response.model_dump())).
@@ -260,6 +288,8 @@ class VLLMEngine(Engine):
         try:
             result = await self._embedding(request, raw_request=None)
         except asyncio.CancelledError:
+            # Nothing for ``abandoned``: embeddings never stream, so the gateway never asks, and
+            # vLLM's pooling outputs (token counts included) come only whole, at the end.
             await self._abort([f"embd-{base_id}-{i}" for i in range(count)])
             raise
         except Exception as exc:  # vLLM's front end maps these with its exception handlers
@@ -369,6 +399,120 @@ class SchedulerLoad:
 
     def record_sleep_state(self, is_awake: int, level: int) -> None:
         """Sleep mode is not used by Forge."""
+
+
+class StreamCounts:
+    """The tokens vLLM hands each open stream, counted on their way to its serving layer.
+
+    vLLM puts usage in a stream only at its end, so what an aborted stream cost is known only
+    to whoever watched its outputs go by. ``counted`` wraps ``AsyncLLM.generate``, which
+    vLLM's serving layer calls once per generation (one per prompt of a batched completion)
+    under the request ids Forge aborts by; ``open`` starts a stream's count under those ids.
+    A generation nobody opened a count for passes through untouched.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, StreamCount] = {}  # by vLLM request id
+
+    @contextlib.contextmanager
+    def open(self, vllm_ids: list[str], kind: Kind) -> Iterator[StreamCount]:
+        """A count of the stream served under ``vllm_ids``, kept until the stream ends."""
+        count = StreamCount(vllm_ids, encoder_prompt=kind == "chat")
+        for vllm_id in vllm_ids:
+            self._open[vllm_id] = count
+        try:
+            yield count
+        finally:
+            for vllm_id in vllm_ids:
+                if self._open.get(vllm_id) is count:
+                    del self._open[vllm_id]
+
+    def counted(self, generate: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
+        """``generate`` (``AsyncLLM.generate``'s signature), counting what it yields.
+
+        A plain function, not an async generator: a generation counts as started when the
+        serving layer asks for it, which it does for every prompt before it streams anything.
+        """
+
+        def generate_counted(prompt, sampling_params, request_id, *args, **kwargs):
+            outputs = generate(prompt, sampling_params, request_id, *args, **kwargs)
+            count = self._open.get(request_id)
+            if count is None:
+                return outputs
+            count.started(request_id)
+            kind = getattr(getattr(sampling_params, "output_kind", None), "name", "DELTA")
+            return _counting(outputs, count, request_id, cumulative=kind != "DELTA")
+
+        return generate_counted
+
+
+class StreamCount:
+    """One stream's usage so far, counted from vLLM's ``RequestOutput`` as its serving layer
+    counts it for the stream's final usage chunk (``chat_completion_stream_generator``,
+    ``completion_stream_generator``): prompt tokens per generation (the encoder's too, for a
+    chat), generated tokens summed over the generations and their ``n`` choices, cached tokens
+    as the first output says. The prompt counts once its first output has come, as
+    ``vllm:prompt_tokens_total`` does: an abort while queued cost nothing.
+
+    Exact to what vLLM handed the stream; tokens vLLM merged into an output the stream had not
+    yet taken when it was aborted are dropped with that output, by vLLM, and not counted.
+    """
+
+    def __init__(self, vllm_ids: list[str], encoder_prompt: bool) -> None:
+        self.unstarted = set(vllm_ids)
+        self.encoder_prompt = encoder_prompt
+        self.broken = False
+        self._prompt_tokens: dict[str, int] = {}
+        self._completion_tokens: dict[tuple[str, int], int] = {}
+        self._cached_tokens: int | None = None  # None until the first output
+
+    def started(self, vllm_id: str) -> None:
+        self.unstarted.discard(vllm_id)
+
+    def add(self, vllm_id: str, output: Any, cumulative: bool) -> None:
+        """One ``RequestOutput``: deltas add up (vLLM streams ``RequestOutputKind.DELTA``); a
+        cumulative output replaces its choice's count."""
+        if self._cached_tokens is None:
+            self._cached_tokens = output.num_cached_tokens or 0
+        if output.prompt_token_ids is not None:
+            prompt = len(output.prompt_token_ids)
+            encoder = getattr(output, "encoder_prompt_token_ids", None)
+            if self.encoder_prompt and encoder is not None:
+                prompt += len(encoder)
+            self._prompt_tokens[vllm_id] = prompt
+        for choice in output.outputs:
+            key = (vllm_id, choice.index)
+            tokens = len(choice.token_ids)
+            self._completion_tokens[key] = tokens + (
+                0 if cumulative else self._completion_tokens.get(key, 0)
+            )
+
+    def usage(self) -> Usage | None:
+        """The count, or None if it cannot be trusted: a generation never started under the
+        ids Forge expected (a vLLM that names them otherwise; beam search), or counting failed."""
+        if self.unstarted or self.broken:
+            return None
+        return Usage(
+            prompt_tokens=sum(self._prompt_tokens.values()),
+            completion_tokens=sum(self._completion_tokens.values()),
+            cached_tokens=self._cached_tokens or 0,
+        )
+
+
+async def _counting(
+    outputs: AsyncIterator, count: StreamCount, vllm_id: str, cumulative: bool
+) -> AsyncIterator:
+    """``outputs``, each counted before it is passed on. Closed with it (vLLM aborts a closed
+    generation at once); a count that fails marks itself broken but never breaks the stream."""
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            if not count.broken:
+                try:
+                    count.add(vllm_id, output, cumulative)
+                except Exception:
+                    count.broken = True
+                    logger.exception("could not count vLLM's output for %s", vllm_id)
+            yield output
 
 
 def _vllm_request_ids(kind: Kind, base_id: str, body: dict) -> list[str]:

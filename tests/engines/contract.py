@@ -405,6 +405,38 @@ class EngineContract:
         assert engine.stats().kv_cache_usage_perc == 0.0
         assert engine.stats().generation_tokens - before < LONG_GENERATION / 2
 
+    # -- abandoned streams (``Engine.abandoned``, collected by ``Replica.abandoned_usage``) --------
+
+    async def test_a_closed_stream_leaves_what_it_cost_to_collect_once(self, engine, spec):
+        body = request_body(spec, "chat", stream=True, max_tokens=LONG_GENERATION)
+        before = engine.stats().generation_tokens
+        stream = engine.stream(body, "chat", "req-abandoned")
+        for _ in range(3):  # the role chunk, then at least two generated tokens
+            await anext(stream)
+
+        await stream.aclose()
+
+        usage = await engine.abandoned.collect("req-abandoned", 5.0)
+        assert usage is not None, "an aborted stream's cost is recorded, not left to estimate"
+        assert usage.prompt_tokens == spec.count_prompt_tokens(body, "chat")
+        assert 0 <= usage.cached_tokens <= usage.prompt_tokens
+        assert 2 <= usage.completion_tokens < LONG_GENERATION / 2
+        # Never more than the engine generated (vLLM's counter may have a token more: one it
+        # produced but had not yet handed the stream when the abort came).
+        await self.settled(
+            spec,
+            lambda: engine.stats().generation_tokens - before >= usage.completion_tokens,
+            "the engine's counter to include what was charged",
+        )
+        assert await engine.abandoned.collect("req-abandoned", 0.05) is None
+
+    async def test_a_stream_read_to_its_end_leaves_nothing_to_collect(self, engine, spec):
+        body = request_body(spec, "chat", stream=True)
+        _, usage = await collect(engine, body, "chat", "req-read-to-end")
+
+        assert usage.completion_tokens == SHORT  # the replica delivers this one
+        assert await engine.abandoned.collect("req-read-to-end", 0.05) is None
+
     async def test_requests_beyond_max_num_seqs_wait_and_cancelling_frees_all(self, engine, spec):
         body = request_body(spec, "chat", stream=True, max_tokens=LONG_GENERATION)
 

@@ -146,6 +146,33 @@ async def test_cancelling_the_consumer_aborts_the_generation_in_vllm(engine):
     assert generated_tokens() - generated_before < 1800 / 2, "stopped, not run to max_tokens"
 
 
+async def test_an_abandoned_batched_completion_is_charged_every_prompt(engine, tokenizer):
+    """One vLLM generation per prompt (``cmpl-<id>-<i>``), merged by vLLM's serving layer: the
+    count of an abandoned stream covers all of them, under the ids Forge aborts by."""
+    prompts = ["The sea was calm that morning", "Forge routes every prompt"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1800, "ignore_eos": True}
+    generated_before = generated_tokens()
+    stream = engine.stream({**body, "stream": True}, "completion", "req-batch-left")
+    seen: set[int] = set()
+    frames = 0
+    while seen != {0, 1}:  # both prompts prefilled and generating (choice index = prompt's)
+        frame = await asyncio.wait_for(anext(stream), 30)
+        seen.add(orjson.loads(frame[len(b"data: ") :])["choices"][0]["index"])
+        frames += 1
+
+    await stream.aclose()
+
+    usage = await engine.abandoned.collect("req-batch-left", 5.0)
+    assert usage is not None
+    assert usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    assert frames <= usage.completion_tokens < 1800  # every frame carried a token
+    await wait_for(
+        lambda: generated_tokens() - generated_before >= usage.completion_tokens,
+        what="vLLM's own counter to include every token charged",
+    )
+    assert await engine.abandoned.collect("req-batch-left", 0.05) is None
+
+
 async def test_a_repeated_long_prompt_hits_vllms_prefix_cache(engine):
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 2}
     before = engine.stats()
