@@ -125,6 +125,7 @@ def soak_args(fallback_url: str, redis_url: str | None, ledger_path: str | None 
         "store": {"redis_url": redis_url, "key_prefix": KEY_PREFIX},
         "metering": {"sqlite_path": ledger_path},
         "admin": {"key_hashes": [_sha(ADMIN_KEY)]},
+        "faults": {"enabled": True},  # the primary's error window is POST /admin/faults
         "tenants": [
             {"name": name, "key_hashes": [_sha(tenant_key(name))], **extra}
             for name, extra in TENANTS.items()
