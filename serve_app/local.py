@@ -40,7 +40,7 @@ from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.settings import breaker_client_options, breaker_settings
 from serve_app.stack import Collaborators
-from serve_app.store import Store, build_store
+from serve_app.store import Store, build_stores
 from serve_app.tracing import tracer_for
 
 
@@ -58,21 +58,14 @@ def build_local_gateway(
     """A ``Gateway`` whose collaborators all live in this process (see the module docstring).
 
     ``board`` may be shared by several local gateways, as gateway replicas share the board
-    deployment; ``store`` and ``book`` (the usage ledger) override the config's; ``tracer``
-    (by default the config's, which exports only where OTEL_EXPORTER_OTLP_ENDPOINT is set)
-    traces the gateway and its replicas.
+    deployment; ``store`` (budgets and settles, and the cache unless ``cache.store`` names a
+    Redis of its own) and ``book`` (the usage ledger) override the config's; ``tracer`` (by
+    default the config's, which exports only where OTEL_EXPORTER_OTLP_ENDPOINT is set) traces
+    the gateway and its replicas.
     """
     tracer = tracer or tracer_for(config.tracing, "forge-gateway")
     metrics = metrics or ForgeMetrics()
-    usage_store = None  # a store handed in serves usage too
-    if store is None and config.store.shared:
-        usage_store = build_store(config.store, timeout_s=config.store.background_timeout_s)
-    if store is None:
-        store = build_store(
-            config.store,
-            max_cache_bytes=config.cache.max_memory_bytes,
-            on_state=lambda s: metrics.store_state.set(int(s)),
-        )
+    stores = build_stores(config, main=store, on_state=metrics.store_changed)
     board = board or BreakerBoard(breaker_settings(config.resilience.breaker))
     breakers = BreakerClient(
         board, config.resilience.sync_interval_s, **breaker_client_options(config.resilience)
@@ -96,14 +89,15 @@ def build_local_gateway(
     }
     parts = Collaborators(
         KeyRing.from_config(config),
-        store,
+        stores.main,
         metrics,
         backends,
         schedulers,
         breakers,
         tracer,
-        usage_store,
+        stores.usage,  # a store handed in serves usage too
         book,
+        stores.cache,
     )
     return Gateway(config, parts)
 

@@ -15,6 +15,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from serve_app.metering.ledger import UsageRecord
+    from serve_app.resilience.breaker import State
 
 _LATENCY_BUCKETS = [
     0.001,
@@ -141,9 +142,11 @@ class ForgeMetrics:
             "store failed (the tenant's on_store_failure: local).",
             "tenant",
         )
+        # By store: "main" (budgets, leases) and, where cache.store names one, "cache".
         self.store_state = gauge(
             "forge_store_breaker_state",
-            "The store's breaker in this gateway: 0 closed, 1 probing, 2 skipped.",
+            "A store's breaker in this gateway: 0 closed, 1 probing, 2 skipped.",
+            "store",
         )
 
         self.admitted = counter(
@@ -210,6 +213,10 @@ class ForgeMetrics:
         completion = _count(usage, "completion_tokens")
         if ttft_s is not None and completion > 1 and duration_s > ttft_s:
             self.tpot.observe((duration_s - ttft_s) / (completion - 1), tags=timing_tags)
+
+    def store_changed(self, store: str, state: State) -> None:
+        """A store's breaker moved (``store.build_stores`` names the store)."""
+        self.store_state.set(int(state), tags={"store": store})
 
     def meter(self, record: UsageRecord) -> None:
         """A usage record's tokens by kind (prompt, completion, cached), and whether they were

@@ -76,6 +76,9 @@ class Collaborators:
     usage_store: Store | None = None
     # The durable usage ledger (None: the one the config names, ``metering.ledger.build_book``).
     book: UsageBook | None = None
+    # Cached answers, when ``cache.store`` gives them a Redis apart from the budgets' (None:
+    # ``store``): the cache may be evicted or lost, a budget never.
+    cache_store: Store | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +214,7 @@ def gateway_replicas(config: ForgeConfig) -> int:
 
 def cache_stage(config: ForgeConfig, parts: Collaborators) -> list[Stage]:
     """The response cache, when on, for the generation pools' models (embeddings bypass it:
-    an entry holds one completion's text)."""
+    an entry holds one completion's text), in the cache's own store where it has one."""
     if not config.cache.enabled:
         return []
     pools = {
@@ -219,7 +222,8 @@ def cache_stage(config: ForgeConfig, parts: Collaborators) -> list[Stage]:
         for p in config.pools
         if p.task == "generate"
     }
-    return [CacheStage(parts.store, parts.metrics, config.cache, pools)]
+    store = parts.cache_store if parts.cache_store is not None else parts.store
+    return [CacheStage(store, parts.metrics, config.cache, pools)]
 
 
 def _engine_identity(pool: PoolConfig, backend: Backend) -> Callable[[], str | None]:

@@ -37,18 +37,34 @@ output "secrets" {
 }
 
 output "redis_host" {
-  description = "Memorystore's private IP."
-  value       = google_redis_instance.forge.host
+  description = "The budgets' Memorystore (STANDARD_HA): its private IP."
+  value       = google_redis_instance.budgets.host
 }
 
 output "redis_port" {
-  description = "Memorystore's TLS port."
-  value       = google_redis_instance.forge.port
+  description = "The budgets' Memorystore: its TLS port."
+  value       = google_redis_instance.budgets.port
 }
 
 output "redis_url" {
-  description = "FORGE_REDIS_URL (rediss://, with the AUTH string): also in the forge-redis-url secret, which is what the pods read."
+  description = "FORGE_REDIS_URL, the budgets' Memorystore (rediss://, with the AUTH string): also in the forge-redis-url secret, which is what the pods read."
   value       = local.redis_url
+  sensitive   = true
+}
+
+output "redis_cache_host" {
+  description = "The response cache's Memorystore (BASIC): its private IP."
+  value       = google_redis_instance.cache.host
+}
+
+output "redis_cache_port" {
+  description = "The response cache's Memorystore: its TLS port."
+  value       = google_redis_instance.cache.port
+}
+
+output "redis_cache_url" {
+  description = "FORGE_CACHE_REDIS_URL, the response cache's Memorystore (rediss://, with the AUTH string): also in the forge-redis-cache-url secret, which is what the pods read."
+  value       = local.redis_cache_url
   sensitive   = true
 }
 

@@ -1,7 +1,7 @@
 # Secret Manager holds what the Forge pods mount at /etc/forge/keys/ (the GKE Secret Manager
 # add-on, through the pods' workload identity). Terraform creates the secrets, never a value
-# from git: an operator adds the human-made versions (README.md, "Secrets"); the Redis URL and
-# CA are written here from Memorystore's own attributes.
+# from git: an operator adds the human-made versions (README.md, "Secrets"); the Redis URLs and
+# CAs are written here from Memorystore's own attributes.
 locals {
   forge_secrets = {
     # Only if the fallback uses an API key (Gemini's OpenAI-compatible endpoint on AI Studio):
@@ -9,8 +9,10 @@ locals {
     "gemini-api-key"    = "Gemini API key, for a fallback that uses one instead of Vertex AI's workload identity."
     "tenant-key-hashes" = "Tenants' API key hashes, {tenant: [sha256 hex]} YAML (key-hashes.yaml)."
     "admin-key-hashes"  = "Operators' /admin key hashes (admin-key-hashes.yaml)."
-    "redis-url"         = "FORGE_REDIS_URL: Memorystore with AUTH and TLS (written by Terraform)."
-    "redis-ca"          = "Memorystore's server CA certificate (PEM), for the TLS in redis-url (written by Terraform)."
+    "redis-url"         = "FORGE_REDIS_URL: the budgets' Memorystore, with AUTH and TLS (written by Terraform)."
+    "redis-ca"          = "The budgets' Memorystore's server CA certificate (PEM), for the TLS in redis-url (written by Terraform)."
+    "redis-cache-url"   = "FORGE_CACHE_REDIS_URL: the response cache's Memorystore, with AUTH and TLS (written by Terraform)."
+    "redis-cache-ca"    = "The response cache's Memorystore's server CA certificate (PEM), for the TLS in redis-cache-url (written by Terraform)."
     "ledger-url"        = "FORGE_LEDGER_URL: the usage ledger, Cloud SQL for PostgreSQL over private IP and TLS (written by Terraform)."
   }
 }
@@ -52,5 +54,15 @@ resource "google_secret_manager_secret_version" "ledger_url" {
 
 resource "google_secret_manager_secret_version" "redis_ca" {
   secret      = google_secret_manager_secret.forge["redis-ca"].id
-  secret_data = google_redis_instance.forge.server_ca_certs[0].cert
+  secret_data = google_redis_instance.budgets.server_ca_certs[0].cert
+}
+
+resource "google_secret_manager_secret_version" "redis_cache_url" {
+  secret      = google_secret_manager_secret.forge["redis-cache-url"].id
+  secret_data = local.redis_cache_url
+}
+
+resource "google_secret_manager_secret_version" "redis_cache_ca" {
+  secret      = google_secret_manager_secret.forge["redis-cache-ca"].id
+  secret_data = google_redis_instance.cache.server_ca_certs[0].cert
 }

@@ -279,19 +279,11 @@ variable "kubernetes_service_account" {
 
 # --- Redis -----------------------------------------------------------------------------------
 
-variable "redis_tier" {
-  description = "Memorystore tier. BASIC: one node, no replica (the store fails open, so an outage costs metering and cache, not serving). STANDARD_HA adds a replica in another zone at about 1.3x the price."
-  type        = string
-  default     = "BASIC"
-
-  validation {
-    condition     = contains(["BASIC", "STANDARD_HA"], var.redis_tier)
-    error_message = "redis_tier must be BASIC or STANDARD_HA."
-  }
-}
+# Tiers and eviction are not inputs: redis.tf says why budgets need STANDARD_HA and noeviction,
+# and why the cache is BASIC with allkeys-lru.
 
 variable "redis_memory_size_gb" {
-  description = "Memorystore capacity in GB."
+  description = "Capacity of the budgets' Memorystore (STANDARD_HA, noeviction), in GB. It holds a few small keys per tenant, and one or two ids per settled request for an hour (about 150 bytes each): 1 GB is about a thousand requests a second. Full, it refuses writes and budgets fall back to each gateway's local share: alert on its memory usage."
   type        = number
   default     = 1
 
@@ -301,14 +293,14 @@ variable "redis_memory_size_gb" {
   }
 }
 
-variable "redis_maxmemory_policy" {
-  description = "What Redis evicts when full. volatile-lru (configs/gke.yaml): only keys with a TTL, which all of Forge's keys have; size the instance so it never evicts past days' metering."
-  type        = string
-  default     = "volatile-lru"
+variable "redis_cache_memory_size_gb" {
+  description = "Capacity of the response cache's Memorystore (BASIC, allkeys-lru), in GB: full, it evicts its least recently used entries, so size it for the hit rate wanted, not for safety."
+  type        = number
+  default     = 1
 
   validation {
-    condition     = contains(["volatile-lru", "allkeys-lru", "volatile-lfu", "allkeys-lfu", "volatile-ttl", "noeviction"], var.redis_maxmemory_policy)
-    error_message = "redis_maxmemory_policy must be a Redis maxmemory-policy such as volatile-lru."
+    condition     = var.redis_cache_memory_size_gb >= 1 && var.redis_cache_memory_size_gb <= 300
+    error_message = "redis_cache_memory_size_gb must be from 1 to 300."
   }
 }
 

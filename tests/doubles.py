@@ -69,6 +69,7 @@ class RecordingMetrics:
         self.recorded.append(fields)
 
     meter = ForgeMetrics.meter  # onto the recording series
+    store_changed = ForgeMetrics.store_changed
 
 
 def chunk(text: str) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -431,6 +431,79 @@ class FallbackConfig(_Strict):
         return self
 
 
+class _StoreEndpoint(_Strict):
+    """A Redis the gateway reaches for shared state, or none (the embedded store). ``store`` and
+    ``cache.store`` are each one of these."""
+
+    # Where this sits in the config, and the way back to no Redis: for the start-up error.
+    config_path: ClassVar[str] = "store"
+    without_it: ClassVar[str] = (
+        "remove store.redis_url_env to use the embedded store (one gateway replica only)"
+    )
+
+    # The Redis endpoint, directly or (preferred, it may hold a password) by env variable name.
+    # Naming a variable is configuring Redis: if it is unset at start-up, start-up fails; the
+    # embedded store is never a silent substitute (it would give each gateway its own budget).
+    redis_url: str | None = None
+    redis_url_env: str | None = None
+    key_prefix: str = "forge:"
+    # Per call: the store is on the request path and fails open, so slow means gone.
+    timeout_s: Annotated[float, Field(gt=0)] = 0.05
+    # When a store that stops answering is skipped (each call failing at once, served
+    # unmetered or uncached) and how soon one call probes it again (``store/guarded.py``).
+    breaker: BreakerConfig = BreakerConfig(failure_threshold=3, cooldown_s=1.0, probe_timeout_s=5.0)
+
+    @property
+    def shared(self) -> bool:
+        """Whether a shared store (Redis) is configured, resolvable or not."""
+        return bool(self.redis_url or self.redis_url_env)
+
+    def resolved_url(self) -> str | None:
+        """The Redis URL, or None for the embedded store; ``ConfigError`` when Redis is
+        configured by a variable that is not set (and no ``redis_url`` stands in for it)."""
+        import os
+
+        if self.redis_url_env and os.environ.get(self.redis_url_env):
+            return os.environ[self.redis_url_env]
+        if self.redis_url_env and not self.redis_url:
+            raise ConfigError(
+                f"{self.config_path}.redis_url_env names {self.redis_url_env}, which is not set "
+                "in the gateway's environment: set it to the Redis URL (redis://host:6379/0), or "
+                + self.without_it
+            )
+        return self.redis_url
+
+
+class StoreConfig(_StoreEndpoint):
+    """Where budgets live (token buckets, stream leases, settles' idempotency ids): Redis when
+    configured, else the embedded (one-process) store. Also the response cache's, unless
+    ``cache.store`` gives the cache a Redis of its own. A Redis that holds budgets must never
+    evict (``maxmemory-policy noeviction``): an evicted bucket is a refilled budget, an evicted
+    idempotency id a refund applied twice."""
+
+    # Off the request path (usage writes, usage reports), a slow reply is worth waiting for.
+    background_timeout_s: Annotated[float, Field(gt=0)] = 1.0
+
+
+class CacheStoreConfig(_StoreEndpoint):
+    """The response cache's own Redis, apart from the budgets' (``store``). Cached answers are
+    the one thing the store holds that may be evicted or lost: on their own instance they can
+    fill it (``allkeys-lru``) without pushing a budget out, and a cheaper tier that loses them
+    in a restart costs a cold cache, nothing more."""
+
+    config_path: ClassVar[str] = "cache.store"
+    without_it: ClassVar[str] = "remove cache.store for the cache to share store"
+
+    @model_validator(mode="after")
+    def _names_a_redis(self) -> CacheStoreConfig:
+        if not self.shared:
+            raise ValueError(
+                "cache.store needs redis_url or redis_url_env (the cache's own Redis); without "
+                "one, leave cache.store out and the cache shares store"
+            )
+        return self
+
+
 class CacheConfig(_Strict):
     """The response cache (``stages/cache_rules.py``): deterministic answers, kept per tenant."""
 
@@ -441,6 +514,8 @@ class CacheConfig(_Strict):
     # The embedded store's total for cached answers (least recently used go first); Redis is
     # bounded by its own maxmemory policy.
     max_memory_bytes: Annotated[int, Field(gt=0)] = 64 * 1024 * 1024
+    # The cache's own Redis (``CacheStoreConfig``); None: the cache shares ``store``.
+    store: CacheStoreConfig | None = None
 
 
 class ModelPrice(_Strict):
@@ -477,44 +552,6 @@ class AdminConfig(_Strict):
     key_hashes: KeyHashes = Field(default_factory=list)
     # A mounted secret with more: YAML or JSON ``[sha256, ...]``.
     key_hashes_file: str | None = None
-
-
-class StoreConfig(_Strict):
-    """Where quotas live: Redis when configured, else the embedded (one-process) store."""
-
-    # The Redis endpoint, directly or (preferred, it may hold a password) by env variable name.
-    # Naming a variable is configuring Redis: if it is unset at start-up, start-up fails; the
-    # embedded store is never a silent substitute (it would give each gateway its own budget).
-    redis_url: str | None = None
-    redis_url_env: str | None = None
-    key_prefix: str = "forge:"
-    # Per call: the store is on the request path and fails open, so slow means gone.
-    timeout_s: Annotated[float, Field(gt=0)] = 0.05
-    # Off the request path (usage writes, usage reports), a slow reply is worth waiting for.
-    background_timeout_s: Annotated[float, Field(gt=0)] = 1.0
-    # When a store that stops answering is skipped (each call failing at once, served
-    # unmetered) and how soon one call probes it again (``store/guarded.py``).
-    breaker: BreakerConfig = BreakerConfig(failure_threshold=3, cooldown_s=1.0, probe_timeout_s=5.0)
-
-    @property
-    def shared(self) -> bool:
-        """Whether a shared store (Redis) is configured, resolvable or not."""
-        return bool(self.redis_url or self.redis_url_env)
-
-    def resolved_url(self) -> str | None:
-        """The Redis URL, or None for the embedded store; ``ConfigError`` when Redis is
-        configured by a variable that is not set (and no ``redis_url`` stands in for it)."""
-        import os
-
-        if self.redis_url_env and os.environ.get(self.redis_url_env):
-            return os.environ[self.redis_url_env]
-        if self.redis_url_env and not self.redis_url:
-            raise ConfigError(
-                f"store.redis_url_env names {self.redis_url_env}, which is not set in the "
-                "gateway's environment: set it to the Redis URL (redis://host:6379/0), or remove "
-                "store.redis_url_env to use the embedded store (one gateway replica only)"
-            )
-        return self.redis_url
 
 
 class TracingConfig(_Strict):

@@ -30,7 +30,7 @@ from serve_app.resilience.board import ServeBoard
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.settings import breaker_client_options
 from serve_app.stack import Collaborators
-from serve_app.store import build_store
+from serve_app.store import build_stores
 from serve_app.tracing import tracer_for
 
 logger = logging.getLogger("ray.serve")
@@ -56,12 +56,8 @@ class GatewayIngress(Gateway):
     ) -> None:
         forge = ForgeConfig.model_validate(config)
         metrics = ForgeMetrics()
-        # Fails start-up, with the variable's name, if Redis is configured but unresolvable.
-        store = build_store(
-            forge.store,
-            max_cache_bytes=forge.cache.max_memory_bytes,
-            on_state=lambda s: metrics.store_state.set(int(s)),
-        )
+        # Fails start-up, with the variable's name, if a Redis is configured but unresolvable.
+        stores = build_stores(forge, on_state=metrics.store_changed)
         breakers = BreakerClient(
             ServeBoard(board),
             forge.resilience.sync_interval_s,
@@ -78,18 +74,16 @@ class GatewayIngress(Gateway):
             backends[pool.name] = PoolBackend(pool.name, handle, pool_timeouts(pool), bridge)
         if forge.fallback is not None:
             backends["fallback"] = FallbackBackend(forge.fallback)  # a missing key stops start-up
-        usage_store = store
-        if forge.store.shared:  # Redis: its own connections, with a patient timeout
-            usage_store = build_store(forge.store, timeout_s=forge.store.background_timeout_s)
         parts = Collaborators(
             keyring=KeyRing.from_config(forge),
-            store=store,
+            store=stores.main,
             metrics=metrics,
             backends=backends,
             schedulers={name: ServeSchedulerClient(h) for name, h in schedulers.items()},
             breakers=breakers,
             tracer=tracer_for(forge.tracing, "forge-gateway"),
-            usage_store=usage_store,
+            usage_store=stores.usage,
+            cache_store=stores.cache,
         )
         super().__init__(forge, parts)
 

@@ -136,9 +136,9 @@ class Gateway:
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
-        for store in {
-            id(s): s for s in (self.store, self._parts.usage_store or self.store)
-        }.values():
+        parts = self._parts
+        stores = (self.store, parts.usage_store or self.store, parts.cache_store or self.store)
+        for store in {id(s): s for s in stores}.values():
             with contextlib.suppress(Exception):
                 await store.close()
 

@@ -1,7 +1,7 @@
-"""Shared gateway state (token buckets, leases) behind one interface."""
+"""Shared gateway state (token buckets, leases, cached answers) behind one interface."""
 
 from serve_app.store.base import Bucket, Store, StoreError, StoreUnavailable, TakeResult
-from serve_app.store.factory import build_store
+from serve_app.store.factory import Stores, build_store, build_stores
 from serve_app.store.guarded import GuardedStore
 from serve_app.store.memory import MemoryStore
 from serve_app.store.redis import RedisStore
@@ -14,6 +14,8 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailable",
+    "Stores",
     "TakeResult",
     "build_store",
+    "build_stores",
 ]

@@ -11,7 +11,7 @@ import yaml
 from serve_app.auth.keys import KeyRing, hash_key
 from serve_app.config.live import gateway_user_config, serve_config_forge
 from serve_app.config.models import ConfigError, ForgeConfig, load_config
-from serve_app.store import GuardedStore, MemoryStore, build_store
+from serve_app.store import GuardedStore, MemoryStore, build_store, build_stores
 
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 HASH_A = hash_key("key-a")
@@ -150,6 +150,28 @@ def test_a_store_named_by_an_unset_variable_stops_start_up(monkeypatch):
         build_store(config.store)
     monkeypatch.setenv("FORGE_REDIS_URL", "redis://127.0.0.1:6379/0")
     assert isinstance(build_store(config.store), GuardedStore)
+    # The cache's own Memorystore, by its own variable: unset, start-up stops on it too.
+    monkeypatch.delenv("FORGE_CACHE_REDIS_URL", raising=False)
+    with pytest.raises(ConfigError, match=r"cache\.store\.redis_url_env names FORGE_CACHE_REDIS"):
+        build_stores(config)
+    monkeypatch.setenv("FORGE_CACHE_REDIS_URL", "redis://127.0.0.1:6379/1")
+    stores = build_stores(config)
+    assert stores.cache is not stores.main
+
+
+def test_the_cache_shares_the_store_unless_it_names_a_redis_of_its_own():
+    assert load_config(minimal()).cache.store is None
+    args = minimal()
+    args["cache"] = {"store": {}}
+    message = config_error(args)
+    assert "cache.store: Value error, cache.store needs redis_url or redis_url_env" in message
+    args["cache"] = {"store": {"redis_url": "redis://cache:6379/0", "maxmemory": "1gb"}}
+    assert "cache.store.maxmemory: Extra inputs are not permitted" in config_error(args)
+    args["cache"] = {"store": {"redis_url": "redis://cache:6379/0", "background_timeout_s": 1}}
+    assert "cache.store.background_timeout_s: Extra inputs" in config_error(args)  # main's only
+    args["cache"] = {"store": {"redis_url_env": "FORGE_TEST_CACHE_REDIS", "timeout_s": 0.02}}
+    store = load_config(args).cache.store
+    assert store.shared and store.timeout_s == 0.02 and store.breaker.failure_threshold == 3
 
 
 def test_the_embedded_store_only_when_no_store_is_configured(monkeypatch):

@@ -58,9 +58,9 @@ CHECKOV_SKIPS = {
     "CKV_K8S_8": "liveness: KubeRay injects Ray's own probes into a Ray container that has none",
     "CKV_K8S_9": "readiness: as CKV_K8S_8 (the raylet and dashboard agent, and Serve's "
     "/-/healthz on workers)",
-    "CKV_K8S_35": "secrets as env: Forge reads the Redis URL and the Gemini key from the "
-    "variables its serve config names (store.redis_url_env, fallback.api_key_env); both come "
-    "from secretKeyRef, and the key hashes are mounted files",
+    "CKV_K8S_35": "secrets as env: Forge reads the Redis URLs and the Gemini key from the "
+    "variables its serve config names (store.redis_url_env, cache.store.redis_url_env, "
+    "fallback.api_key_env); all come from secretKeyRef, and the key hashes are mounted files",
     "CKV_K8S_40": "high UID: Ray's images run as uid 1000 (ray), which owns /home/ray",
     "CKV_K8S_43": "digest: tags are immutable, one per commit, bumped by CI; image.digest pins "
     "by digest where wanted",
@@ -159,6 +159,9 @@ OVERRIDES = {
     "vertex-global": {"serveConfig": {"vertex": {"project": "forge-staging", "region": "global"}}},
     # Forge's code shipped as a Serve config change.
     "py-modules": {"serveConfig": {"runtimeEnv": {"py_modules": ["gs://forge/forge-abc123.zip"]}}},
+    "renamed-cache-secret": {
+        "secrets": {"cacheRedisUrl": {"name": "forge-cache-redis", "key": "url"}}
+    },
     "api-key-fallback": {
         "serveConfig": {
             "forgeArgs": {
@@ -190,6 +193,10 @@ REFUSED = {
     "bad-secret-name": (
         {"secrets": {"redisUrl": {"name": "Forge_Redis"}}},
         "/secrets/redisUrl/name",
+    ),
+    "bad-cache-secret-name": (
+        {"secrets": {"cacheRedisUrl": {"name": "Forge_Cache"}}},
+        "/secrets/cacheRedisUrl/name",
     ),
     "bad-vertex-region": (
         {"serveConfig": {"vertex": {"project": "forge-prod", "region": "US Central"}}},
@@ -750,6 +757,7 @@ def secret_problems(render: Render) -> list[str]:
     args = forge_app(serve_config(render))["args"]
     from_config = {
         args.get("store", {}).get("redis_url_env"),
+        (args.get("cache", {}).get("store") or {}).get("redis_url_env"),
         args.get("metering", {}).get("database_url_env"),
         args["fallback"].get("api_key_env"),
     }
@@ -782,6 +790,28 @@ def test_the_gemini_key_is_referenced_in_api_key_mode(renders):
     assert "GEMINI_API_KEY" not in {e["name"] for e in ray_container(spec)["env"]}
 
 
+CACHE_SECRETS = {"default": "forge-redis-cache", "production": "forge-redis-cache"}
+
+
+@pytest.mark.parametrize(
+    ("name", "cache_secret"),
+    [*CACHE_SECRETS.items(), ("renamed-cache-secret", "forge-cache-redis")],
+)
+def test_budgets_and_cache_read_their_own_redis_secrets(renders, name, cache_secret):
+    """The budgets' Memorystore and the cache's are two instances, two URLs, two Secrets: each
+    variable the serve config names comes from its own, in every group."""
+    args = forge_app(serve_config(renders[name]))["args"]
+    want = {
+        args["store"]["redis_url_env"]: {"name": "forge-redis", "key": "url"},
+        args["cache"]["store"]["redis_url_env"]: {"name": cache_secret, "key": "url"},
+    }
+    assert len(want) == 2  # two variables, not one named twice
+    for group, spec in pod_specs(renders[name].one("RayService")).items():
+        env = {e["name"]: e for e in ray_container(spec)["env"]}
+        for variable, ref in want.items():
+            assert env[variable]["valueFrom"]["secretKeyRef"] == ref, (group, variable)
+
+
 def test_secret_check_catches_a_literal_key(renders):
     problems = secret_problems(renders["literal-secret"])
     assert "cpu: GEMINI_API_KEY not from a Secret" in problems
@@ -789,10 +819,13 @@ def test_secret_check_catches_a_literal_key(renders):
 
 
 def test_key_hashes_are_mounted_where_the_serve_config_reads_them(rendered):
-    """And Memorystore's CA beside them, where terraform's redis_url names it."""
+    """And the Memorystore CAs beside them, where terraform's redis_url and redis_cache_url name
+    them (the cache's only while the cache has a store of its own)."""
     args = forge_app(serve_config(rendered))["args"]
     keys_dir = args["key_hashes_file"].rsplit("/", 1)[0]
     files = {args["key_hashes_file"], args["admin"]["key_hashes_file"], f"{keys_dir}/redis-ca.pem"}
+    if args.get("cache", {}).get("store"):
+        files.add(f"{keys_dir}/redis-cache-ca.pem")
     for group, spec in pod_specs(rendered.one("RayService")).items():
         (mount,) = [m for m in ray_container(spec)["volumeMounts"] if m["name"] == "forge-keys"]
         (volume,) = [v for v in spec["volumes"] if v["name"] == "forge-keys"]

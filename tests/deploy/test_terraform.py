@@ -383,6 +383,59 @@ def backend_problems(tree: Tree) -> list[str]:
     return []
 
 
+# Each Memorystore instance by its role: tier, eviction, persistence (redis.tf says why).
+REDIS_ROLES = {
+    "budgets": {"tier": "STANDARD_HA", "policy": "noeviction", "persistence": "RDB"},
+    "cache": {"tier": "BASIC", "policy": "allkeys-lru", "persistence": None},
+}
+# The URL each instance makes, and so the variable the pods read it from.
+REDIS_URLS = {"budgets": "redis_url", "cache": "redis_cache_url"}
+
+
+def redis_problems(tree: Tree) -> list[str]:
+    """Budgets on a Memorystore that never evicts and outlives a maintenance restart or a
+    failover (STANDARD_HA, noeviction, RDB); the cache on its own, which may evict and vanish
+    (BASIC, allkeys-lru); AUTH and TLS on both; each URL made from its own instance."""
+    found = {
+        where.rsplit(".", 1)[1]: (where, body)
+        for where, body in resources(tree, "google_redis_instance")
+    }
+    if set(found) != set(REDIS_ROLES):
+        return [f"want google_redis_instance {sorted(REDIS_ROLES)}, found {sorted(found)}"]
+    problems = []
+    for name, role in REDIS_ROLES.items():
+        where, body = found[name]
+        if body.get("tier") != role["tier"]:
+            problems.append(f"{where}: tier {body.get('tier')!r}, not {role['tier']}")
+        policy = (body.get("redis_configs") or {}).get("maxmemory-policy")
+        if policy != role["policy"]:
+            problems.append(f"{where}: maxmemory-policy {policy!r}, not {role['policy']}")
+        persistence = first(body, "persistence_config")
+        if persistence.get("persistence_mode") != role["persistence"]:
+            mode = persistence.get("persistence_mode")
+            problems.append(f"{where}: persistence {mode!r}, not {role['persistence']}")
+        if role["persistence"] and not persistence.get("rdb_snapshot_period"):
+            problems.append(f"{where}: no rdb_snapshot_period")
+        if body.get("auth_enabled") is not True:
+            problems.append(f"{where}: AUTH is off")
+        if body.get("transit_encryption_mode") != "SERVER_AUTHENTICATION":
+            problems.append(f"{where}: no TLS (transit_encryption_mode)")
+    made = {
+        name: str(value)
+        for doc in tree.values()
+        for block in doc.get("locals", [])
+        for name, value in block.items()
+    }
+    for instance, url in REDIS_URLS.items():
+        others = set(REDIS_ROLES) - {instance}
+        text = made.get(url, "")
+        if f"google_redis_instance.{instance}." not in text or any(
+            f"google_redis_instance.{other}." in text for other in others
+        ):
+            problems.append(f"local.{url} is not made from google_redis_instance.{instance}")
+    return problems
+
+
 CHECKS: dict[str, Callable[[Tree], list[str]]] = {
     "gpu pool": gpu_pool_problems,
     "cpu pool": cpu_pool_problems,
@@ -390,6 +443,7 @@ CHECKS: dict[str, Callable[[Tree], list[str]]] = {
     "workload identity": workload_identity_problems,
     "no keys": key_problems,
     "gcs backend": backend_problems,
+    "redis": redis_problems,
 }
 
 # check -> broken variants: each a rewrite of a copy of the tree the check must catch.
@@ -432,6 +486,29 @@ BROKEN: dict[str, Callable[[Path], None]] = {
     ),
     "gcs backend|local state": lambda t: rewrite(
         t, "versions.tf", 'backend "gcs"', 'backend "local"'
+    ),
+    "redis|budgets evictable": lambda t: rewrite(
+        t, "redis.tf", 'maxmemory-policy = "noeviction"', 'maxmemory-policy = "volatile-lru"'
+    ),
+    "redis|budgets on BASIC": lambda t: rewrite(t, "redis.tf", '"STANDARD_HA"', '"BASIC"'),
+    "redis|budgets not persisted": lambda t: rewrite(
+        t, "redis.tf", 'persistence_mode    = "RDB"', 'persistence_mode    = "DISABLED"'
+    ),
+    "redis|cache never evicts": lambda t: rewrite(
+        t, "redis.tf", 'maxmemory-policy = "allkeys-lru"', 'maxmemory-policy = "noeviction"'
+    ),
+    "redis|one instance for both": lambda t: rewrite(
+        t,
+        "redis.tf",
+        "google_redis_instance.cache.host",
+        "google_redis_instance.budgets.host",
+    ),
+    "redis|cache without TLS": lambda t: rewrite(
+        t,
+        "redis.tf",
+        'transit_encryption_mode = "SERVER_AUTHENTICATION"',
+        'transit_encryption_mode = "DISABLED"',
+        after='resource "google_redis_instance" "cache"',
     ),
 }
 

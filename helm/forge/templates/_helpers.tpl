@@ -127,8 +127,8 @@ applied to the application named serveConfig.appName, as YAML. Everything else i
 
 {{/*
 Environment of every Ray container. Secrets only by reference; the variable names are the ones
-the serve config names (store.redis_url_env, metering.database_url_env, fallback.api_key_env),
-so the two cannot drift.
+the serve config names (store.redis_url_env, cache.store.redis_url_env,
+metering.database_url_env, fallback.api_key_env), so the two cannot drift.
 Arguments: root, group (the group's values).
 */}}
 {{- define "forge.env" -}}
@@ -160,6 +160,13 @@ Arguments: root, group (the group's values).
       name: {{ $root.Values.secrets.redisUrl.name }}
       key: {{ $root.Values.secrets.redisUrl.key }}
 {{- end }}{{ end }}
+{{- with $args.cache }}{{ with .store }}{{ with .redis_url_env }}
+- name: {{ . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $root.Values.secrets.cacheRedisUrl.name }}
+      key: {{ $root.Values.secrets.cacheRedisUrl.key }}
+{{- end }}{{ end }}{{ end }}
 {{- with $args.metering }}{{ with .database_url_env }}
 - name: {{ . }}
   valueFrom:
@@ -209,6 +216,13 @@ at the directory of key_hashes_file. Returns "" when the config reads no key fil
             - key: {{ .key }}
               path: redis-ca.pem
 {{- end }}{{ end }}
+{{- with $args.cache }}{{ if .store }}{{ with $.Values.secrets.cacheRedisCa }}{{ if .name }}
+      - secret:
+          name: {{ .name }}
+          items:
+            - key: {{ .key }}
+              path: redis-cache-ca.pem
+{{- end }}{{ end }}{{ end }}{{ end }}
 {{- with $args.admin }}{{ with .key_hashes_file }}
 {{- if ne (dir .) $dir }}
 {{- fail (printf "admin.key_hashes_file (%s) must be in the directory of key_hashes_file (%s)" . $dir) }}
