@@ -114,6 +114,7 @@ def _replica_options(pool: PoolConfig) -> dict[str, Any]:
             request_router_kwargs={
                 "policy": routing.policy,
                 "block_size": pool.engine.block_size,
+                "kv_events": routing.kv_events.model_dump(),
                 **routing.options,
             },
             request_routing_stats_period_s=routing.stats_period_s,

@@ -21,7 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.routing.registry import POLICY_NAMES, build_policy
+from serve_app.kvcache.curve import curve_available
+from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES
+from serve_app.routing.registry import KV_EVENT_POLICIES, POLICY_NAMES, build_policy
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -196,6 +198,25 @@ class AdmissionConfig(_Strict):
         return self
 
 
+class KvEventsConfig(_Strict):
+    """A kv_aware pool's KV-event sockets (``serve_app/kvcache/events.py``, docs/security.md):
+    the replicas serve them, the routers of every gateway replica subscribe."""
+
+    # curve: encrypted, and only holders of the cluster's key get in (kvcache/curve.py);
+    # none: plaintext, which a replica refuses on any address beyond loopback.
+    auth: Literal["curve", "none"] = "curve"
+    # The secret key (Z85) of the cluster's one keypair, from this variable (a Kubernetes
+    # secret); unset in the process: a keypair made for the Ray cluster, kept in its GCS.
+    curve_secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = (
+        "FORGE_KV_CURVE_SECRET"
+    )
+    # The largest message a router takes: a snapshot, ~9 bytes a block (16 MiB: 1.8M blocks).
+    max_message_bytes: Annotated[int, Field(ge=64 * 1024)] = DEFAULT_MAX_MESSAGE_BYTES
+    # Snapshot requests a replica answers per peer address: a burst, then so many a second.
+    snapshot_burst: Annotated[int, Field(ge=1)] = 8
+    snapshot_rate_per_s: Annotated[float, Field(gt=0)] = 2.0
+
+
 class RoutingConfig(_Strict):
     """How a pool's replica is chosen for each request (see ``serve_app/routing/``)."""
 
@@ -204,6 +225,7 @@ class RoutingConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)  # the policy's constructor arguments
     # How often replicas report their load and cache state to the routers.
     stats_period_s: Annotated[float, Field(gt=0)] = 1.0
+    kv_events: KvEventsConfig = KvEventsConfig()
 
     @model_validator(mode="after")
     def _policy_builds(self) -> RoutingConfig:
@@ -217,6 +239,13 @@ class RoutingConfig(_Strict):
             build_policy(self.policy, **options)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"options: {exc}") from None
+        if self.policy in KV_EVENT_POLICIES and self.kv_events.auth == "curve":
+            if not curve_available():  # refused here, never a silent fall back to plaintext
+                raise ValueError(
+                    "kv_events.auth: curve needs a libzmq built with CURVE, which this pyzmq's "
+                    "is not (zmq.has('curve') is False); install pyzmq's wheel, or on a "
+                    "loopback-only laptop set kv_events.auth: none"
+                )
         return self
 
 

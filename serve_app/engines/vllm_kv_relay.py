@@ -10,6 +10,7 @@ vLLM's ``KVEventsConfig`` import vLLM, lazily.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -19,9 +20,11 @@ import zmq
 import zmq.asyncio
 
 from serve_app.kvcache.block_hashes import chain_block_hash
-from serve_app.kvcache.events import EngineLoad, KvEventPublisher
+from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES, EngineLoad, KvEventPublisher
 
 logger = logging.getLogger("ray.serve")
+
+_REDIAL_S = 0.5  # from a dropped connection to vLLM's publisher to dialing it again
 
 
 class VllmKvEventRelay:
@@ -33,7 +36,12 @@ class VllmKvEventRelay:
     vLLM caches and Forge can name.
 
     The hop is one ZeroMQ PUB/SUB over an ``ipc://`` socket in a directory private to this
-    replica: no port to allocate, nothing reachable from outside the node.
+    replica (``mkdtemp``: its user only): no port to allocate, nothing reachable from outside
+    the node, so no CURVE. It is capped all the same (``DEFAULT_MAX_MESSAGE_BYTES``: one engine
+    step's batch is a few hundred kB even for a 128k-token prefill); libzmq drops a bigger
+    batch with the connection and, after such a protocol error, does not dial again, so the
+    relay does (``_redial``). A batch that does not decode is skipped: the relay outlives
+    anything on its socket.
     """
 
     def __init__(self, events: KvEventPublisher, load: Callable[[], EngineLoad]) -> None:
@@ -45,8 +53,10 @@ class VllmKvEventRelay:
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
+        self._redialer: asyncio.Task | None = None
         self._next_seq = 0
         self.skipped = 0  # vLLM blocks stored that Forge cannot name
+        self.bad_batches = 0  # messages on the socket that were not a batch it could apply
 
     def vllm_config(self):
         from vllm.config import KVEventsConfig
@@ -65,9 +75,13 @@ class VllmKvEventRelay:
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, DEFAULT_MAX_MESSAGE_BYTES)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.connect(self.endpoint)
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        self._redialer = loop.create_task(self._redial(monitor))
 
     def accepted(self, request_id: str) -> None:
         self._events.accepted(request_id)
@@ -77,10 +91,7 @@ class VllmKvEventRelay:
         self._events.flush(self._load())
 
     async def _run(self) -> None:
-        import msgspec
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        decode = self.batch_decoder()
         while True:
             frames = await self._socket.recv_multipart()
             try:
@@ -89,10 +100,32 @@ class VllmKvEventRelay:
                 if seq != self._next_seq:  # dropped (HWM) or sent before this side subscribed
                     logger.warning("missed vLLM KV event batches %d to %d", self._next_seq, seq - 1)
                 self._next_seq = seq + 1
-                self.apply(decoder.decode(payload).events)
+                self.apply(decode(payload))
                 self.flush()
             except Exception:  # one bad batch must not end the relay
+                self.bad_batches += 1
                 logger.exception("could not relay a vLLM KV event batch")
+
+    async def _redial(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                await monitor.recv_multipart()  # a DISCONNECTED event: nothing else is asked
+                await asyncio.sleep(_REDIAL_S)
+                logger.warning("vLLM KV events: the connection dropped (a batch over the cap?)")
+                with contextlib.suppress(zmq.ZMQError):
+                    self._socket.disconnect(self.endpoint)
+                self._socket.connect(self.endpoint)
+        finally:
+            self._socket.disable_monitor()
+            monitor.close()
+
+    def batch_decoder(self) -> Callable[[bytes], Iterable]:
+        """A batch's payload to its events: vLLM's own decoder (imported here, lazily)."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        return lambda payload: decoder.decode(payload).events
 
     def apply(self, events: Iterable) -> None:
         for event in events:
@@ -146,10 +179,11 @@ class VllmKvEventRelay:
         return []
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, self._redialer) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = self._redialer = None
         if self._socket is not None:
             self._socket.close()
             self._ctx.term()

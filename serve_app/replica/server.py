@@ -19,6 +19,7 @@ from ray.serve.metrics import Gauge
 from serve_app import errors
 from serve_app.config.models import PoolConfig, TracingConfig
 from serve_app.engines.base import Engine, Kind, Usage
+from serve_app.kvcache.curve import curve_keys
 from serve_app.kvcache.events import KvEventPublisher
 from serve_app.replica.faults import FaultInjector, FaultSpec
 from serve_app.routing.registry import KV_EVENT_POLICIES
@@ -70,8 +71,16 @@ class Replica:
         # KV-aware routing learns where prompts are cached from the engine's own events.
         self.kv_events: KvEventPublisher | None = None
         if self.pool.routing.policy in KV_EVENT_POLICIES and self.pool.task == "generate":
+            events = self.pool.routing.kv_events  # who may read them: docs/security.md
             self.kv_events = KvEventPublisher(
-                self.replica_id, lambda: self.engine.cached_block_hashes(), _node_address()
+                self.replica_id,
+                lambda: self.engine.cached_block_hashes(),
+                _node_address(),
+                keys=curve_keys(events.auth, events.curve_secret_env),
+                pool=self.pool.name,
+                max_message_bytes=events.max_message_bytes,
+                snapshot_burst=events.snapshot_burst,
+                snapshot_rate_per_s=events.snapshot_rate_per_s,
             )
         self.engine = build_engine(self.pool, self.kv_events)
         self._started = False

@@ -17,21 +17,48 @@ Memory per replica: one Python int per cached block in a set (about 70 bytes eac
 replica's cache size bounds it: ``max_blocks`` is a guard against a publisher that never
 evicts), plus the in-flight assignments (``max_assignments``, each a tuple of at most
 ``route_blocks`` hashes).
+
+Nothing a peer sends stops the thread: the sockets are CURVE clients of the cluster's key
+(``serve_app/kvcache/curve.py``) with a size cap (``max_message_bytes``), and every message is
+checked before it is applied (``parse_event``, ``parse_snapshot``). One that fails is skipped
+and counted in ``forge_kv_events_rejected_total{reason}``: ``malformed``, ``version`` (a newer
+replica's format during a roll: that replica is then routed by load alone), or
+``unauthenticated`` (a publisher without the key: the handshake failed). A skipped event leaves
+a gap in ``seq``, so the next good one brings a resync. A bigger message than the cap is
+dropped by libzmq with its connection, before it is read, and libzmq does not reconnect after
+such a protocol error: the index watches its subscriber's connections (a socket monitor) and
+reconnects a replica whose connection dropped, then resyncs it (``resyncs{reason=reconnect}``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections import Counter as TallyCounter
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from serve_app.kvcache.events import CLEARED, REMOVED, SNAPSHOT_REQUEST, STORED, EngineLoad, decode
+from serve_app.kvcache.curve import CurveKeys, connect_curve
+from serve_app.kvcache.events import (
+    CLEARED,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    REMOVED,
+    SNAPSHOT_REQUEST,
+    STORED,
+    BadMessage,
+    EngineLoad,
+    EventBatch,
+    parse_event,
+    parse_snapshot,
+    rejected_counter,
+)
 from serve_app.metrics import counter, gauge, histogram
 
 logger = logging.getLogger("ray.serve")
@@ -39,6 +66,14 @@ logger = logging.getLogger("ray.serve")
 _POLL_MS = 20  # the longest a watch/forget command waits for the thread to pick it up
 _SNAPSHOT_TIMEOUT_S = 2.0  # then ask again (the replica may have been busy or restarting)
 _MAX_BUFFERED = 10_000  # messages held while a snapshot is on its way; more: resync again
+_DRAIN_BATCH = 1_000  # messages read in a row before commands and snapshots get a turn
+_MAX_WARNED = 1_000  # (replica, reason) pairs whose first rejection was logged as a warning
+_RECONNECT_S = 1.0  # from a dropped connection to a replica to connecting it again
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass
@@ -52,7 +87,9 @@ class _ReplicaState:
     synced: bool = False
     resync: zmq.Socket | None = None
     resync_sent: float = 0.0
-    buffered: list[dict] = field(default_factory=list)
+    buffered: list[EventBatch] = field(default_factory=list)
+    buffered_blocks: int = 0  # hashes in ``buffered``: bounded like the index itself
+    reconnect_at: float | None = None  # its connection dropped: connect again then
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +101,12 @@ class _Assignment:
 
 
 class KvIndex:
-    """Which blocks each replica holds and what prefill work it has queued; see the module."""
+    """Which blocks each replica holds and what prefill work it has queued; see the module.
+
+    ``keys``: the cluster's CURVE keypair, None for plaintext (replicas on loopback with
+    ``routing.kv_events.auth: none``). ``rejected`` counts skipped messages by reason, in
+    process (the Prometheus series says the same).
+    """
 
     def __init__(
         self,
@@ -72,9 +114,16 @@ class KvIndex:
         max_blocks: int = 1_000_000,
         assign_ttl_s: float = 5.0,
         max_assignments: int = 10_000,
+        *,
+        keys: CurveKeys | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.pool = pool
         self.max_blocks = max_blocks
+        self.keys = keys
+        self.max_message_bytes = max_message_bytes
+        self.rejected: TallyCounter[str] = TallyCounter()
+        self._warned: set[tuple[str, str]] = set()
         self.assign_ttl_s = assign_ttl_s
         self.max_assignments = max_assignments
         self._replicas: dict[str, _ReplicaState] = {}
@@ -107,6 +156,7 @@ class KvIndex:
         )
         for series in (self._lag, self._events, self._resyncs, self._blocks_gauge):
             series.set_default_tags({"pool": pool})
+        self._rejected = rejected_counter(pool)
         self._thread = threading.Thread(target=self._run, name=f"kv-index-{pool}", daemon=True)
         self._thread.start()
 
@@ -219,37 +269,71 @@ class KvIndex:
 
     def _run(self) -> None:
         self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub = self._socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # The subscriber's connections: libzmq reconnects after a network error, not after a
+        # peer's protocol error (an oversized message, a failed handshake); the index does.
+        self._sub.monitor("inproc://kv-index-monitor", zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self._sub_monitor = self._ctx.socket(zmq.PAIR)
+        self._sub_monitor.setsockopt(zmq.LINGER, 0)
+        self._sub_monitor.connect("inproc://kv-index-monitor")
         self._poller = zmq.Poller()
         self._poller.register(self._sub, zmq.POLLIN)
+        self._poller.register(self._sub_monitor, zmq.POLLIN)
         self._owners: dict[zmq.Socket, str] = {}  # snapshot socket → its replica
         try:
             while not self._stop.is_set():
-                self._run_commands()
-                for sock, _ in self._poller.poll(_POLL_MS):
-                    if sock is self._sub:
-                        self._drain()
-                    else:
-                        self._on_snapshot(sock)
-                self._retry_snapshots()
-        except Exception:  # the router keeps routing, by load alone; never crash its process
-            logger.exception("KV index for pool %s stopped", self.pool)
+                try:
+                    self._step()
+                except Exception:  # a bug, not a peer (their messages are checked): go on
+                    logger.exception("KV index for pool %s: an iteration failed", self.pool)
+                    self._stop.wait(_POLL_MS / 1000)  # a lasting fault must not spin
         finally:
             for sock in list(self._owners):
                 sock.close()
+            self._sub.disable_monitor()
+            self._sub_monitor.close()
             self._sub.close()
             self._ctx.term()
 
+    def _step(self) -> None:
+        self._run_commands()
+        for sock, _ in self._poller.poll(_POLL_MS):
+            if sock is self._sub:
+                self._drain()
+            elif sock is self._sub_monitor:
+                self._on_connection_event()
+            else:
+                self._on_snapshot(sock)
+        self._retry_snapshots()
+        self._reconnect()
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        """A socket to the replicas: their key, and a cap on what it takes in."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if self.keys is not None:
+            connect_curve(sock, self.keys)
+        return sock
+
     def _drain(self) -> None:
-        while True:
+        for _ in range(_DRAIN_BATCH):
             try:
-                topic, raw = self._sub.recv_multipart(zmq.NOBLOCK)
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._on_message(topic.decode(), decode(raw))
+            replica_id = "?"
+            try:
+                if len(frames) != 2:
+                    raise BadMessage("malformed", f"{len(frames)} frames, not 2")
+                replica_id = frames[0].decode()
+                batch = parse_event(frames[1])
+            except (BadMessage, UnicodeDecodeError) as exc:
+                self._reject(replica_id, exc)
+                continue
+            self._on_message(replica_id, batch)
 
     def _run_commands(self) -> None:
         while True:
@@ -261,7 +345,8 @@ class KvIndex:
             old = self._replicas.pop(replica_id, None)
             if old is not None:
                 self._close_resync(old)
-                self._sub.disconnect(old.endpoint)
+                with contextlib.suppress(zmq.ZMQError):  # a connection libzmq ended itself
+                    self._sub.disconnect(old.endpoint)
             if command[0] == "watch":
                 state = _ReplicaState(endpoint=command[2], snapshot_endpoint=command[3])
                 self._replicas[replica_id] = state
@@ -275,44 +360,89 @@ class KvIndex:
                 ]:
                     self._drop(request_id)
 
-    def _on_message(self, replica_id: str, msg: dict) -> None:
+    def _reject(self, replica_id: str, exc: Exception) -> None:
+        reason = exc.reason if isinstance(exc, BadMessage) else "malformed"
+        self.rejected[reason] += 1
+        self._rejected.inc(tags={"reason": reason})
+        key = (replica_id, reason)
+        first = key not in self._warned and len(self._warned) < _MAX_WARNED
+        self._warned.add(key)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "KV index for pool %s: skipped a message from replica %s (%s): %s",
+            *(self.pool, replica_id, reason, exc),
+        )
+
+    def _on_message(self, replica_id: str, msg: EventBatch) -> None:
         state = self._replicas.get(replica_id)
         if state is None:
             return  # not (or no longer) one of this pool's replicas
-        self._accepted(msg.get("accepted") or [])
+        self._accepted(msg.accepted)
         if state.resync is not None:
-            if len(state.buffered) < _MAX_BUFFERED:
+            size = sum(len(hashes) for _, hashes in msg.ops)
+            if len(state.buffered) < _MAX_BUFFERED and state.buffered_blocks < self.max_blocks:
                 state.buffered.append(msg)
-            return
-        if msg["epoch"] != state.epoch or msg["seq"] != state.seq + 1:
-            self._resyncs.inc(tags={"reason": "restart" if msg["epoch"] != state.epoch else "gap"})
-            state.buffered = [msg]
+                state.buffered_blocks += size
+            return  # else lost: its gap brings another resync
+        if msg.epoch != state.epoch or msg.seq != state.seq + 1:
+            self._resyncs.inc(tags={"reason": "restart" if msg.epoch != state.epoch else "gap"})
             self._request_snapshot(replica_id, state)
+            state.buffered = [msg]
+            state.buffered_blocks = sum(len(hashes) for _, hashes in msg.ops)
             return
         self._apply(replica_id, state, msg)
 
-    def _apply(self, replica_id: str, state: _ReplicaState, msg: dict) -> None:
+    def _apply(self, replica_id: str, state: _ReplicaState, msg: EventBatch) -> None:
         blocks = state.blocks
-        for op in msg["ops"]:
-            kind = op[0]
+        for kind, hashes in msg.ops:
             if kind == STORED:
                 if len(blocks) < self.max_blocks:
-                    blocks.update(op[1])
+                    blocks.update(hashes)
             elif kind == REMOVED:
-                blocks.difference_update(op[1])
+                blocks.difference_update(hashes)
             elif kind == CLEARED:
                 state.blocks = blocks = set()
-        state.seq = msg["seq"]
-        state.load = EngineLoad(**msg["load"])
+        state.seq = msg.seq
+        state.load = msg.load
         self._events.inc()
-        if msg["ops"]:
+        if msg.ops:
             self._blocks_gauge.set(len(state.blocks), tags={"target": replica_id})
-        self._lag.observe(max(0.0, time.time() - msg["ts"]))
+        self._lag.observe(max(0.0, time.time() - msg.ts))
+
+    def _on_connection_event(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._sub_monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            endpoint = event["endpoint"].decode()
+            found = [(r, s) for r, s in self._replicas.items() if s.endpoint == endpoint]
+            if not found:
+                continue  # a replica already forgotten
+            replica_id, state = found[0]
+            if event["event"] & _HANDSHAKE_FAILED:
+                why = "its publisher does not hold the cluster's key (CURVE handshake failed)"
+                self._reject(replica_id, BadMessage("unauthenticated", why))
+            elif state.reconnect_at is None:
+                state.reconnect_at = time.monotonic() + _RECONNECT_S
+
+    def _reconnect(self) -> None:
+        """Connect again to replicas whose connection dropped; what was lost meanwhile comes
+        back with a snapshot."""
+        now = time.monotonic()
+        for replica_id, state in self._replicas.items():
+            if state.reconnect_at is None or state.reconnect_at > now:
+                continue
+            state.reconnect_at = None
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disconnect(state.endpoint)
+            self._sub.connect(state.endpoint)
+            self._resyncs.inc(tags={"reason": "reconnect"})
+            self._request_snapshot(replica_id, state)
 
     def _request_snapshot(self, replica_id: str, state: _ReplicaState) -> None:
         self._close_resync(state)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._socket(zmq.DEALER)
         sock.connect(state.snapshot_endpoint)
         sock.send(SNAPSHOT_REQUEST, zmq.NOBLOCK)
         self._poller.register(sock, zmq.POLLIN)
@@ -329,22 +459,27 @@ class KvIndex:
             self._owners.pop(sock, None)
             sock.close()
             return
+        try:
+            snap = parse_snapshot(raw, self.max_blocks)
+        except BadMessage as exc:  # asked again after the timeout (a newer replica: each time)
+            self._reject(replica_id, exc)
+            return
         self._close_resync(state)
-        snap = decode(raw)
-        state.epoch, state.seq = snap["epoch"], snap["seq"]
-        pending, state.buffered = state.buffered, []
-        state.blocks = set(snap["blocks"][: self.max_blocks])  # one swap, never half-built
-        state.load = EngineLoad(**snap["load"])
+        state.epoch, state.seq = snap.epoch, snap.seq
+        pending, state.buffered, state.buffered_blocks = state.buffered, [], 0
+        state.blocks = snap.blocks  # one swap, never half-built
+        state.load = snap.load
         state.synced = True
         replay = sorted(
-            (m for m in pending if m["epoch"] == state.epoch and m["seq"] > state.seq),
-            key=lambda m: m["seq"],
+            (m for m in pending if m.epoch == state.epoch and m.seq > state.seq),
+            key=lambda m: m.seq,
         )
         for msg in replay:
-            if msg["seq"] != state.seq + 1:  # lost while we waited: once more
+            if msg.seq != state.seq + 1:  # lost while we waited: once more
                 self._resyncs.inc(tags={"reason": "gap"})
-                state.buffered = [m for m in replay if m["seq"] > state.seq]
                 self._request_snapshot(replica_id, state)
+                state.buffered = [m for m in replay if m.seq > state.seq]
+                state.buffered_blocks = sum(len(h) for m in state.buffered for _, h in m.ops)
                 return
             self._apply(replica_id, state, msg)
         self._blocks_gauge.set(len(state.blocks), tags={"target": replica_id})

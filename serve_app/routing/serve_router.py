@@ -18,7 +18,9 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from serve_app import tokenizer
 from serve_app.bridge import pool_bridge, pool_of_deployment, replica_backend
+from serve_app.config.models import KvEventsConfig
 from serve_app.kvcache.block_hashes import prefix_block_hashes
+from serve_app.kvcache.curve import curve_keys
 from serve_app.metrics import counter
 from serve_app.protocol import prompt_text
 from serve_app.resilience.breaker import Admit, State
@@ -50,6 +52,7 @@ class ForgeRequestRouter(RequestRouter):
         policy: str = "round_robin",
         block_size: int = 16,
         route_blocks: int = 128,
+        kv_events: dict | None = None,
         **options: Any,
     ) -> None:
         self.policy: RoutingPolicy = build_policy(policy, **options)
@@ -61,8 +64,16 @@ class ForgeRequestRouter(RequestRouter):
         pool = self._deployment_id.name
         # The pool as the gateway names it (deployment "pool-primary" → "primary").
         self.pool = pool_of_deployment(pool)
-        # Where each replica's blocks are, from its KV events (KV-aware policies only).
-        self.index = KvIndex(self.pool) if policy in KV_EVENT_POLICIES else None
+        # Where each replica's blocks are, from its KV events (KV-aware policies only), over
+        # sockets that the pool's config secures (``routing.kv_events``; curve by default).
+        self.index = None
+        if policy in KV_EVENT_POLICIES:
+            events = KvEventsConfig.model_validate(kv_events or {})
+            self.index = KvIndex(
+                self.pool,
+                keys=curve_keys(events.auth, events.curve_secret_env),
+                max_message_bytes=events.max_message_bytes,
+            )
         self.bridge = pool_bridge(self._deployment_id.app_name, self.pool)
         self.bridge.engine_identity = self.engine_identity
         self._agreed_identity: str | None = None

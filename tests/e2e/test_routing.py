@@ -87,3 +87,45 @@ def test_kv_aware_routers_follow_the_replicas_kv_events(openai_client, metric):
             "lag observations": metric("forge_kv_event_lag_seconds_count", pool),
         },
     )
+
+
+def test_kv_events_reach_only_holders_of_the_clusters_key(openai_client):
+    """The kv-aware pool's replicas publish over CURVE with the key made for this Ray cluster
+    (no ``FORGE_KV_CURVE_SECRET`` here, so the one kept in its GCS): a subscriber with that key
+    hears them (a heartbeat a second at least); one without it hears nothing, and its snapshot
+    request goes unanswered."""
+    import ray
+    import zmq
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    from serve_app.config.models import KvEventsConfig
+    from serve_app.kvcache.curve import connect_curve, curve_keys
+
+    serve_controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    running = ray.get(serve_controller._all_running_replicas.remote(), timeout=30)
+    where = next(
+        replica.routing_stats["kv_events"]
+        for deployment_id, replicas in running.items()
+        if deployment_id.app_name == APP and deployment_id.name == "pool-kv-aware"
+        for replica in replicas
+        if (replica.routing_stats or {}).get("kv_events")
+    )
+    config = KvEventsConfig()
+    keys = curve_keys(config.auth, config.curve_secret_env)  # this driver is in the cluster too
+    ctx = zmq.Context()
+    try:
+        keyed, plain = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+        connect_curve(keyed, keys)
+        stranger = ctx.socket(zmq.DEALER)
+        for sock in (keyed, plain, stranger):
+            sock.setsockopt(zmq.LINGER, 0)
+        for sock in (keyed, plain):
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(where["endpoint"])
+        stranger.connect(where["snapshot"])
+        stranger.send(b"snapshot")
+        assert keyed.poll(15_000), "a subscriber with the cluster's key hears the replica"
+        assert not plain.poll(2_000), "one without it hears nothing"
+        assert not stranger.poll(0), "and gets no snapshot"
+    finally:
+        ctx.destroy(linger=0)

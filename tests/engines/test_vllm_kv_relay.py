@@ -7,14 +7,19 @@ those names and fields, and runs the relay on a real engine.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import dataclass, field
 
+import msgpack
 import pytest
+import zmq
+import zmq.asyncio
 
 from serve_app.engines.vllm_kv_relay import VllmKvEventRelay
 from serve_app.kvcache.block_hashes import chain_block_hash
-from serve_app.kvcache.events import EngineLoad, KvEventPublisher
+from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES, EngineLoad, KvEventPublisher
+from tests.polling import eventually_async
 
 BLOCK = 2  # tokens per block
 
@@ -205,3 +210,46 @@ def test_accepting_a_request_announces_it_with_the_engines_load(relay, events):
     relay.flush()
 
     assert events.loads == [LOAD, LOAD]
+
+
+class MsgpackRelay(VllmKvEventRelay):
+    """The relay with a stand-in for vLLM's decoder: batches are msgpack lists of
+    ``BlockStored`` fields. The socket and everything around the decoder are the relay's own."""
+
+    def batch_decoder(self):
+        return lambda payload: [BlockStored(**fields) for fields in msgpack.unpackb(payload)]
+
+
+async def test_the_relay_outlives_an_oversized_or_garbled_batch(events):
+    """What reaches the relay's socket is vLLM's, but a batch over the cap is dropped with its
+    connection (which libzmq, after such an error, leaves dropped: the relay dials again) and
+    one that does not decode is skipped; the next good batch is relayed."""
+    relay = MsgpackRelay(events, lambda: LOAD)
+    ctx = zmq.asyncio.Context()
+    vllm = ctx.socket(zmq.XPUB)  # vLLM's side binds; an XPUB sees the relay (un)subscribe
+    vllm.setsockopt(zmq.LINGER, 0)
+    vllm.bind(relay.endpoint)
+    relay.start()
+    try:
+        assert (await asyncio.wait_for(vllm.recv(), 10))[:1] == b"\x01"
+        seq = iter(range(100))
+
+        async def send(payload: bytes) -> None:
+            await vllm.send_multipart([b"", next(seq).to_bytes(8, "big"), payload])
+
+        await send(b"x" * (DEFAULT_MAX_MESSAGE_BYTES + 1))
+        assert (await asyncio.wait_for(vllm.recv(), 10))[:1] == b"\x00"  # dropped ...
+        assert (await asyncio.wait_for(vllm.recv(), 10))[:1] == b"\x01"  # ... and back
+        await send(b"\xc1 not a batch")
+        await send(
+            msgpack.packb([{"block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2]}])
+        )
+        await eventually_async(
+            lambda: events.ops, timeout_s=10, what="the good batch to be relayed"
+        )
+        assert events.ops == [("stored", chain([1, 2]))]
+        assert relay.bad_batches == 1
+    finally:
+        await relay.close()
+        vllm.close()
+        ctx.term()

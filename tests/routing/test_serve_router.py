@@ -20,7 +20,9 @@ from ray.serve.request_router import PendingRequest
 
 from serve_app import tokenizer
 from serve_app.bridge import pool_bridge, replica_backend, reset_bridges
+from serve_app.config.models import KvEventsConfig
 from serve_app.kvcache.block_hashes import prefix_block_hashes
+from serve_app.kvcache.curve import CurveKeys
 from serve_app.kvcache.events import EngineLoad, KvEventPublisher
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.breaker import BreakerSettings, Outcome
@@ -310,10 +312,13 @@ async def wait_for(condition, timeout_s: float = 5.0) -> None:
 
 
 @pytest.fixture
-async def publisher():
-    """Replica "b"'s KV event publisher, as a real replica runs it, holding ``blocks``."""
+async def publisher(monkeypatch):
+    """Replica "b"'s KV event publisher, as a real replica runs it, holding ``blocks``: behind
+    CURVE with the cluster's key, which the router reads from the variable the config names."""
+    keys = CurveKeys.generate()
+    monkeypatch.setenv(KvEventsConfig().curve_secret_env, keys.secret.decode())
     blocks: set[int] = set()
-    pub = KvEventPublisher("b", lambda: blocks)
+    pub = KvEventPublisher("b", lambda: blocks, keys=keys)
     pub.start()
     pub.blocks = blocks
     yield pub
