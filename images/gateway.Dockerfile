@@ -36,5 +36,6 @@ COPY --chown=1000:100 . .
 # pins live in pyproject.toml, which hadolint cannot read.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir "." \
-    && python -c "import serve_app.app, openai"
+    && python -c "import serve_app.app, openai" \
+    && test -x /home/ray/anaconda3/bin/forge-haproxy  # configs/gke.yaml: RAY_SERVE_HAPROXY_BINARY_PATH
 

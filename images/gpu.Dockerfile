@@ -31,4 +31,5 @@ COPY --chown=1000:100 . .
 # extra's pin lives in pyproject.toml, which hadolint cannot read.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[vllm]" \
-    && python -c "import serve_app.app, vllm"
+    && python -c "import serve_app.app, vllm" \
+    && test -x /home/ray/anaconda3/bin/forge-haproxy  # configs/gke.yaml: RAY_SERVE_HAPROXY_BINARY_PATH

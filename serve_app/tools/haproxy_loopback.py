@@ -1,29 +1,147 @@
-"""``forge-haproxy``: Ray Serve's HAProxy with every listener it opens kept on loopback.
+"""``forge-haproxy``: Ray Serve's HAProxy, with the config Serve renders rewritten for Forge.
 
 With ``RAY_SERVE_ENABLE_HA_PROXY=1``, Serve 2.60 runs HAProxy at ``http_options`` (the fast
-:8000: it sends requests straight to the gateway replicas' own ports), but it renders the stats
-(``bind *:8404``) and Prometheus (``bind :9101``) listeners with no host, so they listen on every
-interface, and its admin socket with ``mode 666``. Ray has no setting for either. Serve runs
-``$RAY_SERVE_HAPROXY_BINARY_PATH -f CONFIG ...`` on every (re)start; pointed at this program
-(``configs/local.yaml``), it rewrites CONFIG (host-less binds to 127.0.0.1, the socket to 600)
-and then runs the real binary with the same arguments.
+:8000: it sends requests straight to the gateway replicas' own ports), and runs
+``$RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...`` on every (re)start. Pointed at this program
+(``configs/local.yaml``, ``configs/gke.yaml``), it rewrites CONFIG and then runs the real binary
+with the same arguments. Two rewrites, neither of which Ray has a setting for:
+
+- **Serve's control headers are not the clients'** (``closed_to_clients``). Serve's HTTP path
+  (its proxy, and a replica's own port under direct ingress) reads a few request headers for
+  itself before Forge's code runs: ``x-request-timeout-seconds`` (a client could cut its own
+  request, or switch off the timeout), ``x-request-disconnect-disabled`` (a client could keep
+  its generation running after it leaves), the multiplexed-model and session ids (routing
+  hints Forge does not use), and ``x-request-id``, which it decodes as UTF-8: any other byte is
+  Serve's own plain-text 500, counted as a server error. The client-facing frontend deletes the
+  first four, and an ``x-request-id`` that is not one id of the shape Forge keeps
+  (``serve_app/stages/request_id.py``); Serve then mints its own id, so the id a client sees
+  back is the one Forge logs.
+- **Side listeners no wider than the front** (``on_loopback``). Ray renders the stats
+  (``bind *:8404``) and Prometheus (``bind :9101``) listeners with no host, so they listen on
+  every interface, and its admin socket with ``mode 666``. Where the front is on loopback (a
+  laptop), they move there too; where it is on every interface (a pod, ``bind *:8000``), they
+  stay, for the NetworkPolicy to keep in (Prometheus scrapes 9101). The socket is owner-only
+  either way.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import re
 import sys
+from collections.abc import Mapping
+
+# -- Serve's control headers ------------------------------------------------------------------
+
+# Deleted whatever their value: Serve acts on them and Forge has no use for them (Ray 2.60:
+# serve/_private/constants.py; http_util.py parses them for the proxy and direct ingress).
+SERVE_OWN_HEADERS = ("x-request-timeout-seconds", "x-request-disconnect-disabled")
+# Serve matches these with "-" and "_" alike (proxy.py, replica.py), so HAProxy does too.
+SERVE_ROUTING_HEADERS = ("serve_multiplexed_model_id",)
+# Serve's session-affinity header; its name is Ray's setting, read from the same environment.
+SESSION_HEADER_SETTING = ("RAY_SERVE_SESSION_ID_HEADER_KEY", "x-session-id")
+# The client ids Forge keeps (serve_app/stages/request_id.py, _ACCEPTABLE: a test keeps the two
+# equal): printable ASCII of a tame shape, short enough to log. Anything else is deleted here.
+REQUEST_ID_SHAPE = "[A-Za-z0-9._:-]{1,128}"
+
+_FRONTEND = re.compile(r"^frontend http_frontend[ \t]*$", re.MULTILINE)
+_SECTION_END = re.compile(r"^\S", re.MULTILINE)  # the next unindented line starts a section
+_BIND = re.compile(r"^([ \t]+)bind[ \t]+(\S+)", re.MULTILINE)
+MARK = "# forge-haproxy: Serve's control headers"
+
+
+def _front_bind(config: str) -> re.Match[str] | None:
+    """The bind line of the client-facing frontend (Serve names it ``http_frontend``)."""
+    frontend = _FRONTEND.search(config)
+    if frontend is None:
+        return None
+    end = _SECTION_END.search(config, frontend.end() + 1)
+    return _BIND.search(config, frontend.end(), end.start() if end else len(config))
+
+
+def _either_separator(name: str) -> str:
+    """A header-name regex that takes "-" and "_" alike, as Serve does."""
+    return "^" + "[-_]".join(re.escape(part) for part in re.split(r"[-_]", name.lower())) + "$"
+
+
+def control_header_rules(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``http-request`` rules, in order, that keep Serve's control headers from clients."""
+    environ = os.environ if environ is None else environ
+    session_header = environ.get(*SESSION_HEADER_SETTING) or SESSION_HEADER_SETTING[1]
+    rules = [f"http-request del-header {name}" for name in SERVE_OWN_HEADERS]
+    rules += [
+        f"http-request del-header '{_either_separator(name)}' -m reg"
+        for name in (*SERVE_ROUTING_HEADERS, session_header)
+    ]
+    rules += [
+        # Two ids are no id: which one Serve would take is not Forge's to guess.
+        "http-request del-header x-request-id if { req.fhdr_cnt(x-request-id) gt 1 }",
+        "http-request del-header x-request-id"
+        f" unless {{ req.fhdr(x-request-id) -m reg '^{REQUEST_ID_SHAPE}$' }}",
+    ]
+    return rules
+
+
+def closed_to_clients(config: str, environ: Mapping[str, str] | None = None) -> str:
+    """``config`` with the control-header rules first in the client-facing HTTP frontend.
+
+    Raises ``ValueError`` if Serve's config has no such frontend: HAProxy then does not start,
+    rather than start with Serve's control paths open (tests/tools keep Ray's template in view).
+    """
+    if MARK in config:  # a reload rewrites an already rewritten file
+        return config
+    if _FRONTEND.search(config) is None:
+        raise ValueError("no 'frontend http_frontend' in the HAProxy config Serve rendered")
+    bind = _front_bind(config)
+    if bind is None:
+        raise ValueError("'frontend http_frontend' has no bind line")
+    indent = bind.group(1)
+    line_end = config.find("\n", bind.end())
+    line_end = len(config) if line_end == -1 else line_end
+    rules = "".join(f"\n{indent}{rule}" for rule in control_header_rules(environ))
+    return f"{config[:line_end]}\n{indent}{MARK}{rules}{config[line_end:]}"
+
+
+# -- listeners --------------------------------------------------------------------------------
 
 _HOSTLESS_BIND = re.compile(r"^(\s*bind\s+)\*?:(\d+)(?=\s|$)", re.MULTILINE)
 _OPEN_SOCKET = re.compile(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", re.MULTILINE)
 
 
+def front_host(config: str) -> str | None:
+    """The host the client-facing frontend binds (``*``: every interface), if it has one."""
+    bind = _front_bind(config)
+    if bind is None:
+        return None
+    host, _, _ = bind.group(2).rpartition(":")
+    return host or "*"
+
+
+def _is_loopback(host: str | None) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return host is not None and ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def on_loopback(config: str) -> str:
-    """``config`` with every host-less or ``*`` bind on 127.0.0.1 and the socket owner-only."""
-    config = _HOSTLESS_BIND.sub(r"\g<1>127.0.0.1:\2", config)
+    """``config`` with the admin socket owner-only and, when the front is on loopback, every
+    host-less or ``*`` bind on 127.0.0.1 too."""
+    if _is_loopback(front_host(config)):
+        config = _HOSTLESS_BIND.sub(r"\g<1>127.0.0.1:\2", config)
     return _OPEN_SOCKET.sub(r"\g<1>600", config)
+
+
+def rewrite(config: str, environ: Mapping[str, str] | None = None) -> str:
+    """Everything ``forge-haproxy`` changes in the config Serve rendered."""
+    return on_loopback(closed_to_clients(config, environ))
+
+
+# -- the program ------------------------------------------------------------------------------
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -47,8 +165,12 @@ def main() -> None:
     if path is not None and os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             config = f.read()
+        try:
+            rewritten = rewrite(config)
+        except ValueError as error:
+            sys.exit(f"forge-haproxy: {error}; not starting HAProxy ({path})")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(on_loopback(config))
+            f.write(rewritten)
     binary = _real_haproxy()
     os.execv(binary, [binary, *argv])
 
