@@ -28,6 +28,11 @@ logger = logging.getLogger("ray.serve")
 
 Handler = Callable[["RequestContext"], Awaitable[Response]]
 
+# How long a request may hold a lease or a slot when nothing says how long it may take (a pool's
+# requests get their total deadline and some slack, ``stack.build_pipeline``): where the quota
+# stage's lease renewer and admission's slot renewer stop.
+MAX_REQUEST_LIFE_S = 3600.0
+
 
 @dataclass(slots=True)
 class RequestContext:

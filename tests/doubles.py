@@ -182,12 +182,6 @@ class DownStore(Store):
     async def cache_put(self, key, value, ttl_s) -> None:
         self._fail()
 
-    async def add_counts(self, key, counts, ttl_s, *, once=None) -> bool:
-        self._fail()
-
-    async def read_counts(self, keys) -> list[dict[str, int]]:
-        self._fail()
-
     async def ping(self) -> None:
         self._fail()
 

@@ -24,14 +24,11 @@ from serve_app.admission.client import Lease
 from serve_app.admission.scheduler import Shed
 from serve_app.admission.warm_slots import WarmSlots
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext, on_response_end
+from serve_app.pipeline import MAX_REQUEST_LIFE_S, Handler, RequestContext, on_response_end
 
 logger = logging.getLogger("ray.serve")
 
 PRIORITY_HEADER = "x-forge-priority"
-# How long a renewer runs when nothing says how long its request may take (a pool's requests:
-# their total deadline and some slack, ``stack.build_pipeline``).
-MAX_LIFE_S = 3600.0
 _WARN_EVERY_S = 30.0
 
 
@@ -63,7 +60,7 @@ class AdmissionStage:
             return await call_next(ctx)
 
         self.metrics.admitted.inc(tags={"tenant": tenant})
-        renewer = _KeepAlive(slots, lease, self.lifetimes.get(ctx.parsed.model, MAX_LIFE_S))
+        renewer = _KeepAlive(slots, lease, self.lifetimes.get(ctx.parsed.model, MAX_REQUEST_LIFE_S))
         released = False
 
         def release(completed: bool = True) -> None:
@@ -130,7 +127,7 @@ class _KeepAlive:
         self.lease = lease
         self.period_s = max(0.1, lease.ttl_s / 3)
         self._loop = asyncio.get_running_loop()
-        self._until = self._loop.time() + (max_life_s or MAX_LIFE_S)
+        self._until = self._loop.time() + (max_life_s or MAX_REQUEST_LIFE_S)
         self._timer = self._loop.call_later(self.period_s, self._renew)
         self._task: asyncio.Task | None = None
 

@@ -25,7 +25,7 @@ from serve_app import errors
 from serve_app.config.models import TenantConfig
 from serve_app.metering.ledger import charged_tokens
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext, on_response_end
+from serve_app.pipeline import MAX_REQUEST_LIFE_S, Handler, RequestContext, on_response_end
 from serve_app.protocol import count_prompt_tokens
 from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.stages.settles import Settles
@@ -34,7 +34,6 @@ from serve_app.store import MemoryStore, Store, StoreError
 
 # A lease outlives its request by this much if the gateway dies; live streams renew it.
 LEASE_TTL_S = 60.0
-MAX_LEASE_LIFE_S = 3600.0  # the renewer's bound when nothing says how long a request may take
 
 
 class QuotaStage:
@@ -102,7 +101,7 @@ class QuotaStage:
         settled = False
         renewer = None
         if held.lease is not None:
-            life = self.lifetimes.get(ctx.parsed.model, MAX_LEASE_LIFE_S)
+            life = self.lifetimes.get(ctx.parsed.model, MAX_REQUEST_LIFE_S)
             renewer = asyncio.create_task(self._keep_lease(held, life))
 
         def settle(completed: bool) -> None:

@@ -1,8 +1,9 @@
 """The store: what the gateway keeps outside a request, shared by every gateway replica.
 
-Token buckets (quotas), stream leases (concurrent-stream caps), cached responses and per-tenant
-usage counts. Two implementations keep one contract: Redis for a cluster of gateway replicas, and
-an embedded in-process store for a laptop.
+Token buckets (quotas), stream leases (concurrent-stream caps) and cached responses. (Usage is
+not here: it is billed from, so it lives in the durable ledger, ``serve_app/metering/book.py``.)
+Two implementations keep one contract: Redis for a cluster of gateway replicas, and an embedded
+in-process store for a laptop.
 Quotas are a convenience, so every backend failure surfaces as ``StoreError`` and the gateway
 fails open with a single ``except StoreError``; a store that cannot be reached at all raises its
 subclass ``StoreUnavailable``, which is what ``GuardedStore`` counts towards skipping the store
@@ -20,15 +21,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # A take compares floats that went through refill arithmetic; forgive rounding noise so a bucket
 # refilled to exactly ``amount`` grants.
 EPSILON = 1e-9
-
-# What Redis HINCRBY accepts (a signed 64-bit integer); the embedded store refuses the same.
-MAX_COUNT = 2**63 - 1
 
 # A bucket key lives twice as long as a refill from its current level to full: by then the bucket
 # would be full anyway, so expiry is invisible. Bounded on both sides: at least a few seconds, and
@@ -36,9 +34,8 @@ MAX_COUNT = 2**63 - 1
 MIN_BUCKET_TTL_S = 5.0
 MAX_BUCKET_TTL_S = 86_400.0
 
-# How long ``add_counts(once=...)`` remembers an id: longer than a write stays unconfirmed in
-# any outage worth riding out, short enough that the ids of a busy day (one per tenant-day and
-# flush) stay a few hundred kB.
+# How long ``adjust(once=...)`` remembers a settle's id: far longer than a settle is retried
+# (``Settles.deadline_s``), so the latest retry of a settle whose reply was lost is still known.
 ONCE_TTL_S = 3600.0
 
 
@@ -109,17 +106,6 @@ def check_ttl(ttl_s: float) -> None:
         raise ValueError(f"ttl_s must be finite and > 0, got {ttl_s}")
 
 
-def check_counts(counts: Mapping[str, int]) -> None:
-    for field, value in counts.items():
-        if not isinstance(field, str):
-            raise ValueError(f"count fields must be str, got {field!r}")
-        # bool is an int subclass, but True tokens is a caller's bug, not a count.
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"count {field!r} must be an int, got {value!r}")
-        if not -MAX_COUNT - 1 <= value <= MAX_COUNT:
-            raise ValueError(f"count {field!r} is out of the signed 64-bit range: {value}")
-
-
 def covers(level: float, amount: float) -> bool:
     return level + EPSILON >= amount
 
@@ -181,24 +167,6 @@ class Store(ABC):
     async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
         """Store ``value`` under ``key`` for ``ttl_s``, replacing whatever the key held (as Redis
         ``SET`` does). The embedded store may drop it early to stay within its size cap."""
-
-    @abstractmethod
-    async def add_counts(
-        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
-    ) -> bool:
-        """Atomically add each int of ``counts`` to its field of the hash ``key`` (creating
-        either), and expire the key ``ttl_s`` from now, in one round trip: replicas metering one
-        tenant at once must not lose an increment. Zero counts may be skipped; an empty mapping
-        is a no-op. Non-int values (or bools, or beyond 64 bits) raise ``ValueError``.
-
-        ``once``: an id that makes the call idempotent for ``ONCE_TTL_S``: a second call with
-        it adds nothing and returns False. A write that timed out may have been applied, so a
-        retry must carry the first try's id. Returns whether the counts were added."""
-
-    @abstractmethod
-    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
-        """Each key's hash as ``{field: int}`` (``{}`` when absent or expired), in one round trip
-        for all keys, so a usage report over many windows costs one call."""
 
     @abstractmethod
     async def ping(self) -> None:

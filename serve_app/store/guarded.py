@@ -17,7 +17,7 @@ count.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from serve_app.resilience.breaker import Admit, Breaker, BreakerSettings, Outcome, State
@@ -99,16 +99,6 @@ class GuardedStore(Store):
 
     async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
         await self._call("cache_put", lambda: self.store.cache_put(key, value, ttl_s))
-
-    async def add_counts(
-        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
-    ) -> bool:
-        return await self._call(
-            "add_counts", lambda: self.store.add_counts(key, counts, ttl_s, once=once)
-        )
-
-    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
-        return await self._call("read_counts", lambda: self.store.read_counts(keys))
 
     async def ping(self) -> None:
         await self._call("ping", self.store.ping)

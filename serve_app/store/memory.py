@@ -7,7 +7,7 @@ per-process by design: two gateway replicas on ``MemoryStore`` have two budgets.
 
 Cached responses are the one kind of key it may drop before expiry: they share a byte cap
 (``max_cache_bytes``), and a put that would exceed it evicts the least recently used entries
-first. A dropped cache entry is a miss; buckets, leases and counts are state, never evicted.
+first. A dropped cache entry is a miss; buckets, leases and settle ids are state, never evicted.
 """
 
 from __future__ import annotations
@@ -16,25 +16,23 @@ import heapq
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from serve_app.store.base import (
-    MAX_COUNT,
     ONCE_TTL_S,
     Bucket,
     Store,
     StoreError,
     TakeResult,
-    check_counts,
     check_take,
     check_ttl,
     covers,
     retry_after,
 )
 
-Kind = Literal["bucket", "lease", "cache", "counts", "once"]
+Kind = Literal["bucket", "lease", "cache", "once"]
 
 DEFAULT_MAX_CACHE_BYTES = 64 * 1024 * 1024
 
@@ -51,8 +49,7 @@ _SLOT_S = SWEEP_INTERVAL_S / 2
 @dataclass(slots=True)
 class _Entry:
     kind: Kind
-    # bucket: (level, last_refill); lease: {lease_id: expires_at}; cache: bytes;
-    # counts: {field: int}
+    # bucket: (level, last_refill); lease: {lease_id: expires_at}; cache: bytes; once: True
     value: Any
     expires_at: float
     slot: int = 0  # the expiry slot the key is filed in: never after its expiry's own
@@ -260,37 +257,6 @@ class MemoryStore(Store):
         self._put(key, "cache", bytes(value), now + ttl_s, now)
         self._lru[key] = size
         self._cache_bytes += size
-
-    # -- counts -----------------------------------------------------------------------------
-
-    async def add_counts(
-        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
-    ) -> bool:
-        check_counts(counts)
-        check_ttl(ttl_s)
-        deltas = {field: value for field, value in counts.items() if value}
-        if not deltas:
-            return True
-        now = self._clock()
-        seen = None if once is None else f"{key}:once:{once}"
-        if seen is not None and self._live(seen, "once", now) is not None:
-            return False
-        entry = self._live(key, "counts", now)
-        fields: dict[str, int] = {} if entry is None else entry.value
-        totals = {field: fields.get(field, 0) + value for field, value in deltas.items()}
-        if any(not -MAX_COUNT - 1 <= total <= MAX_COUNT for total in totals.values()):
-            # Redis refuses an HINCRBY that would overflow too (an error, not a wrap).
-            raise StoreError(f"key {key!r}: a count would overflow 64 bits")
-        fields.update(totals)
-        self._put(key, "counts", fields, now + ttl_s, now)
-        if seen is not None:
-            self._put(seen, "once", True, now + ONCE_TTL_S, now)
-        return True
-
-    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
-        now = self._clock()
-        entries = [self._live(key, "counts", now) for key in keys]
-        return [{} if entry is None else dict(entry.value) for entry in entries]
 
     async def ping(self) -> None:
         return None

@@ -10,7 +10,8 @@ Key layout (``prefix`` defaults to ``forge:``; the caller names the rest):
 - ``{prefix}{bucket.key}``: hash ``{level, ts}``, ``ts`` in server microseconds.
 - ``{prefix}{lease key}``: sorted set of lease ids scored by expiry in server milliseconds.
 - ``{prefix}{cache key}``: string, the cached value, with the caller's TTL.
-- ``{prefix}{counts key}``: hash ``{field: integer}``, its TTL renewed by every add.
+- ``{prefix}{bucket.key}:once:{id}``: string, a settle id ``adjust`` has applied, for
+  ``ONCE_TTL_S``.
 
 Failures fail fast: a short socket timeout and no client retries. A retried take is not idempotent
 (the first attempt may have run), and a request served unmetered is cheaper than one that waits.
@@ -20,7 +21,7 @@ The connection pool reconnects on the next call once Redis answers again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -41,7 +42,6 @@ from serve_app.store.base import (
     StoreError,
     StoreUnavailable,
     TakeResult,
-    check_counts,
     check_take,
     check_ttl,
     retry_after,
@@ -170,18 +170,6 @@ return 1
 """
 )
 
-# KEYS[1]: counts hash; KEYS[2], if given: the call's once-key (set NX: a repeat adds nothing).
-# ARGV: ttl_ms, once_ttl_ms, then (field, delta) per field. Deltas stay strings, so HINCRBY sees
-# every digit (a Lua number is a double). Returns 1 if the counts were added, 0 for a repeat.
-_ADD_COUNTS_LUA = """
-if KEYS[2] and not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then return 0 end
-for i = 3, #ARGV, 2 do
-  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-
 # What redis-py's BlockingConnectionPool raises when no pooled connection frees up in time.
 _POOL_EXHAUSTED = "No connection available."
 
@@ -202,7 +190,6 @@ class RedisStore(Store):
         self._peek = client.register_script(_PEEK_LUA)
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
-        self._add_counts = client.register_script(_ADD_COUNTS_LUA)
 
     @classmethod
     def from_url(
@@ -326,41 +313,6 @@ class RedisStore(Store):
         check_ttl(ttl_s)
         with self._failures("cache_put"):
             await self._client.set(self._key(key), value, px=_ms(ttl_s))
-
-    # -- counts -----------------------------------------------------------------------------
-
-    async def add_counts(
-        self, key: str, counts: Mapping[str, int], ttl_s: float, *, once: str | None = None
-    ) -> bool:
-        check_counts(counts)
-        check_ttl(ttl_s)
-        args: list[str | int] = [_ms(ttl_s), _ms(ONCE_TTL_S)]
-        for field, value in counts.items():
-            if value:
-                args += [field, value]
-        if len(args) == 2:
-            return True
-        keys = [self._key(key)]
-        if once is not None:
-            keys.append(self._key(f"{key}:once:{once}"))  # the key's {hash tag}: one slot
-        with self._failures("add_counts"):
-            return bool(await self._add_counts(keys=keys, args=args))
-
-    async def read_counts(self, keys: Sequence[str]) -> list[dict[str, int]]:
-        if not keys:
-            return []
-        with self._failures("read_counts"):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.hgetall(self._key(key))
-                replies = await pipe.execute()
-        try:
-            return [
-                {field.decode(): int(value) for field, value in reply.items()} for reply in replies
-            ]
-        except ValueError as exc:
-            # A hash that is not counts (a bucket's ``level``): the WRONGTYPE of hashes.
-            raise StoreError(f"redis read_counts failed: not a counts hash: {exc}") from exc
 
     async def ping(self) -> None:
         with self._failures("ping"):

@@ -271,79 +271,12 @@ async def test_cache_entry_expires_after_its_ttl(store: Store, passing: Passage)
 
 
 async def test_cache_put_replaces_a_key_of_any_kind(store: Store) -> None:
-    await store.add_counts("mixed", {"a": 1}, 10)
-    await store.cache_put("mixed", b"v", 10)  # as Redis SET does
-    assert await store.cache_get("mixed") == b"v"
-
-
-# -- counts ---------------------------------------------------------------------------------
-
-
-async def test_add_counts_accumulates_across_calls_and_fields(store: Store) -> None:
-    await store.add_counts("usage:t", {"requests": 1, "tokens": 100}, 10)
-    await store.add_counts("usage:t", {"requests": 1, "cached": 3}, 10)
-    await store.add_counts("usage:t", {"tokens": -20, "zero": 0}, 10)
-    (counts,) = await store.read_counts(["usage:t"])
-    assert counts.pop("zero", 0) == 0  # a zero may be skipped or stored as 0
-    assert counts == {"requests": 2, "tokens": 80, "cached": 3}
-
-
-async def test_counts_added_once_are_added_once_however_often_retried(store: Store) -> None:
-    """A write that timed out may have been applied: its retry carries the same id."""
-    assert await store.add_counts("usage:once", {"requests": 2}, 10, once="batch-1") is True
-    assert await store.add_counts("usage:once", {"requests": 2}, 10, once="batch-1") is False
-    assert await store.add_counts("usage:once", {"requests": 5}, 10, once="batch-2") is True
-    assert await store.add_counts("usage:once", {"requests": 1}, 10) is True  # no id: always
-    assert await store.read_counts(["usage:once"]) == [{"requests": 8}]
-    # An id is per key: the same id on another key is another write.
-    assert await store.add_counts("usage:other", {"requests": 1}, 10, once="batch-1") is True
-
-
-async def test_concurrent_retries_of_one_write_add_it_once(store: Store) -> None:
-    results = await asyncio.gather(
-        *(store.add_counts("usage:race", {"n": 1}, 10, once="same") for _ in range(20))
-    )
-    assert results.count(True) == 1
-    assert await store.read_counts(["usage:race"]) == [{"n": 1}]
-
-
-async def test_empty_counts_are_a_no_op(store: Store) -> None:
-    await store.add_counts("usage:t", {}, 10)
-    assert await store.read_counts(["usage:t"]) == [{}]
-
-
-async def test_concurrent_add_counts_sum_exactly(store: Store) -> None:
-    await asyncio.gather(
-        *(store.add_counts("usage:t", {"requests": 1, "tokens": i}, 10) for i in range(50))
-    )
-    assert await store.read_counts(["usage:t"]) == [{"requests": 50, "tokens": sum(range(50))}]
-
-
-async def test_read_counts_of_several_keys_in_order(store: Store) -> None:
-    await store.add_counts("usage:a", {"x": 1}, 10)
-    await store.add_counts("usage:c", {"y": 2, "z": 3}, 10)
-    assert await store.read_counts(["usage:a", "usage:absent", "usage:c"]) == [
-        {"x": 1},
-        {},
-        {"y": 2, "z": 3},
-    ]
-    assert await store.read_counts([]) == []
-
-
-async def test_counts_expire_after_their_ttl(store: Store, passing: Passage) -> None:
-    await store.add_counts("usage:short", {"x": 1}, 0.3)
-    await store.add_counts("usage:long", {"x": 1}, 10)
-    await passing.elapse(0.45)  # past the short TTL however late it wakes; far inside the long
-    assert await store.read_counts(["usage:short", "usage:long"]) == [{}, {"x": 1}]
-    await store.add_counts("usage:short", {"x": 5}, 10)  # a new key: nothing left of the old
-    assert await store.read_counts(["usage:short"]) == [{"x": 5}]
-
-
-async def test_a_count_that_would_overflow_is_a_store_error(store: Store) -> None:
-    await store.add_counts("usage:t", {"x": 2**63 - 1}, 10)
-    with pytest.raises(StoreError):
-        await store.add_counts("usage:t", {"x": 1}, 10)
-    assert await store.read_counts(["usage:t"]) == [{"x": 2**63 - 1}]
+    await store.acquire_lease("leased", "a", 1, 10)
+    await store.take([Bucket("bucketed", 10, SLOW)], [1])
+    await store.cache_put("leased", b"v", 10)  # as Redis SET does
+    await store.cache_put("bucketed", b"w", 10)
+    assert await store.cache_get("leased") == b"v"
+    assert await store.cache_get("bucketed") == b"w"
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -358,24 +291,23 @@ async def test_wrong_kind_of_key_is_a_store_error(store: Store) -> None:
         await store.acquire_lease("bucket", "a", 1, 10)
 
 
-async def test_wrong_kind_of_key_for_cache_and_counts_is_a_store_error(store: Store) -> None:
+async def test_wrong_kind_of_key_for_the_cache_is_a_store_error(store: Store) -> None:
+    bucketed = Bucket("bucketed", 10, SLOW)
     await store.cache_put("cached", b"v", 10)
-    await store.add_counts("counted", {"a": 1}, 10)
+    await store.take([bucketed], [4])
     await store.acquire_lease("leased", "a", 1, 10)
     with pytest.raises(StoreError):
-        await store.cache_get("counted")
+        await store.cache_get("bucketed")
     with pytest.raises(StoreError):
         await store.cache_get("leased")
     with pytest.raises(StoreError):
-        await store.add_counts("cached", {"a": 1}, 10)
+        await store.take([Bucket("cached", 10, SLOW)], [1])
     with pytest.raises(StoreError):
-        await store.read_counts(["counted", "cached"])
-    with pytest.raises(StoreError):
-        await store.read_counts(["leased"])
-    with pytest.raises(StoreError):
-        await store.acquire_lease("counted", "a", 1, 10)
+        await store.acquire_lease("cached", "a", 1, 10)
+    # Each refusal left every key as it was.
     assert await store.cache_get("cached") == b"v"
-    assert await store.read_counts(["counted"]) == [{"a": 1}]
+    assert await store.peek([bucketed]) == pytest.approx((6,), abs=1e-3)
+    assert await store.acquire_lease("leased", "b", 1, 10) == (False, 1)
 
 
 async def test_bad_arguments_are_value_errors(store: Store) -> None:
@@ -389,13 +321,13 @@ async def test_bad_arguments_are_value_errors(store: Store) -> None:
     with pytest.raises(ValueError):
         Bucket("k", -1, 1)
     with pytest.raises(ValueError):
-        await store.cache_put("k", b"v", 0)
-    for bad in (1.5, "1", True, None, 2**63):
-        with pytest.raises(ValueError):
-            await store.add_counts("usage:t", {"x": 1, "y": bad}, 10)  # type: ignore[dict-item]
+        await store.cache_put("cache:k", b"v", 0)
     with pytest.raises(ValueError):
-        await store.add_counts("usage:t", {"x": 1}, -1)
-    assert await store.read_counts(["usage:t"]) == [{}]  # nothing of a refused add was applied
+        await store.adjust(b, -math.inf)
+    # Nothing of a refused call was applied: the bucket is full, the lease and the cache free.
+    assert await store.peek([b]) == pytest.approx((10,))
+    assert await store.acquire_lease("k", "b", 1, 10) == (True, 1)
+    assert await store.cache_get("cache:k") is None
 
 
 async def test_ping_and_close(store: Store) -> None:

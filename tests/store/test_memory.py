@@ -197,9 +197,9 @@ async def test_an_expired_cache_key_reused_as_another_kind_leaves_the_total(
 ) -> None:
     await store.cache_put("k", bytes(10), 1)
     clock.advance(1)
-    await store.add_counts("k", {"x": 1}, 60)
+    await store.acquire_lease("k", "a", 1, 60)
     assert store.cache_bytes == 0
-    await store.cache_put("k", bytes(10), 60)  # and back: SET replaces the counts
+    await store.cache_put("k", bytes(10), 60)  # and back: SET replaces the lease
     assert store.cache_bytes == entry("k", bytes(10))
     assert await store.cache_get("k") == bytes(10)
 
@@ -209,26 +209,14 @@ async def test_only_cache_entries_are_evicted(clock: Clock) -> None:
     b = Bucket("quota:b", 10, 1)
     await store.take([b], [4])
     await store.acquire_lease("streams:t", "a", 1, 60)
-    await store.add_counts("usage:t", {"tokens": 7}, 60)
+    await store.adjust(b, 1, once="settle-1")  # its id is a key too
     for i in range(50):
         await store.cache_put(f"c{i:02d}", bytes(7), 60)  # 10 bytes each: two fit
     assert store.cache_bytes == 20
     assert len(store) == 3 + 2
-    assert await store.peek([b]) == (6.0,)
+    assert await store.peek([b]) == (7.0,)
     assert await store.acquire_lease("streams:t", "b", 1, 60) == (False, 1)
-    assert await store.read_counts(["usage:t"]) == [{"tokens": 7}]
-
-
-async def test_counts_expire_exactly_and_each_add_renews_the_ttl(
-    store: MemoryStore, clock: Clock
-) -> None:
-    await store.add_counts("usage:t", {"x": 1}, 10)
-    clock.advance(9)
-    await store.add_counts("usage:t", {"x": 1}, 10)
-    clock.advance(9.999)
-    assert await store.read_counts(["usage:t"]) == [{"x": 2}]
-    clock.advance(0.001)
-    assert await store.read_counts(["usage:t"]) == [{}]
+    assert await store.adjust(b, 1, once="settle-1") == 7.0  # the id survived: not applied again
 
 
 def test_build_store_without_a_redis_url_is_embedded() -> None:
