@@ -127,7 +127,10 @@ def test_a_named_tool_choice_streams_one_call_of_that_tool(openai_client, seed):
     )
     streamed = assemble(stream)  # as the openai client's stream helper puts them together
     assert streamed.finish == "stop"
-    assert streamed.deltas > 2  # the arguments arrived in pieces, as they were generated
+    # The arguments arrived in pieces, as they were generated. How many pieces depends on the
+    # machine's load: vLLM merges the outputs a slow consumer has not taken yet into one
+    # (RequestOutputCollector), so a loaded CI machine saw 2 where an idle one sees a dozen.
+    assert streamed.deltas > 1
     (call,) = streamed.calls.values()
     assert call["id"] and call["name"] == "get_weather"
     jsonschema.validate(json.loads(call["arguments"]), schema_of("get_weather"))
