@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -243,16 +243,18 @@ class Graph:
         return self.proxy_url + PREFIX
 
 
-def start_ray() -> str:
-    """Ray for the CLI (the dashboard on, as ``serve run`` has it) and Serve's proxy; its URL."""
+def start_ray(*, dashboard: bool = True) -> str:
+    """Ray for the CLI (the dashboard on, as ``serve run`` has it, unless ``dashboard`` is
+    False: a drill that judges no memory spares two cores its processes) and Serve's proxy;
+    its URL."""
     import ray
     from ray import serve
 
     ray.init(
         num_cpus=2,
         object_store_memory=100 * 1024 * 1024,
-        include_dashboard=True,
-        dashboard_port=inprocess.free_port(),
+        include_dashboard=dashboard,
+        dashboard_port=inprocess.free_port() if dashboard else None,
         log_to_driver=False,
     )
     port = inprocess.free_port()
@@ -260,9 +262,14 @@ def start_ray() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def deploy(proxy_url: str, redis: PersistentRedis | None) -> Graph:
+def deploy(
+    proxy_url: str,
+    redis: PersistentRedis | None,
+    make_args: Callable[[str, str | None], dict] = soak_args,
+) -> Graph:
     """The mock fallback and Forge as two more Serve applications in the running Ray (the
-    CLI's own, or the e2e session's), once every backend is ready."""
+    CLI's own, or the e2e session's), once every backend is ready. ``make_args(fallback URL,
+    Redis URL)``: Forge's args (the soak's; ``loadtest/books.py`` adds tenants to them)."""
     from ray import serve
 
     from serve_app.app import build_app
@@ -274,7 +281,7 @@ def deploy(proxy_url: str, redis: PersistentRedis | None) -> Graph:
         name=MOCK_APP,
         route_prefix=MOCK_PREFIX,
     )
-    args = soak_args(f"{proxy_url}{MOCK_PREFIX}/v1", redis.url if redis else None)
+    args = make_args(f"{proxy_url}{MOCK_PREFIX}/v1", redis.url if redis else None)
     serve.run(build_app(args), name=APP, route_prefix=PREFIX)
     graph = Graph(proxy_url, redis)
     inprocess.wait_ready(graph.url, inprocess.every_backend, timeout_s=180)
@@ -430,9 +437,12 @@ async def run_extras(
     seed: int = 0,
     timeout_s: float = 60.0,
     max_in_flight: int = 64,
+    send: Callable[..., Awaitable[Result]] | None = None,
 ) -> list[Result]:
     """``traffic.run``'s open loop (seeded Poisson arrivals, never waiting for answers) for the
-    extras; arrivals beyond ``max_in_flight`` of one kind are recorded as dropped."""
+    extras; arrivals beyond ``max_in_flight`` of one kind are recorded as dropped. ``send``:
+    what sends one (``_send_extra``'s arguments; ``loadtest/books.py`` adds a kind)."""
+    send = send or _send_extra
     results: list[Result] = []
     tasks: set[asyncio.Task] = set()
     in_flight: Counter[str] = Counter()
@@ -445,7 +455,7 @@ async def run_extras(
         async def one(extra: Extra, n: int) -> None:
             in_flight[extra.name] += 1
             try:
-                results.append(await _send_extra(http, extra, n, seed, began, timeout_s))
+                results.append(await send(http, extra, n, seed, began, timeout_s))
             finally:
                 in_flight[extra.name] -= 1
 

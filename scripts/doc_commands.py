@@ -2,7 +2,7 @@
 
     python scripts/doc_commands.py --check        # every documented command has an entry below
     python scripts/doc_commands.py --list         # what the docs document, and where
-    python scripts/doc_commands.py --run [--only NAME ...] [--group G ...] [--keep-going]
+    python scripts/doc_commands.py --run [--only NAME ...] [--group G ...] [--stop-on-failure]
 
 The extractor reads the fenced (``bash``, ``sh``, untagged) and indented code blocks and the
 inline code of README.md and docs/*.md, splits each on ``&&``, ``|`` and ``;``, drops leading
@@ -558,9 +558,11 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         note="was .ci/run step 3b, unchanged",
     ),
     "python -m evals.local": quick(
-        "{python} -m evals.local --json-dir {tmp} --log {tmp}/gate-serve.log",
-        timeout=900,
-        note="was .ci/run step 6: the whole gate, primary up then failing (results to {tmp})",
+        "{python} -m evals.local --json-dir {tmp} --log {tmp}/gate-serve.log"
+        " --only protocol prompt:greeting metering",
+        timeout=600,
+        note="its graph, a few checks with the primary up and again with it failing (results to "
+        "{tmp}); the whole gate both ways, calibrated, is pytest -m slow's tests/e2e/test_evals.py",
     ),
     "python -m serve_app.local": Quick(
         (
@@ -669,6 +671,13 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         timeout=300,
         note="the CLI end to end (its own Ray, Redis, graph, checks, outputs) for 30 s, too short "
         "for a fault: pytest -m slow's tests/e2e/test_soak.py runs soak() with every fault kind",
+    ),
+    "python -m loadtest.books": quick(
+        "{python} -m loadtest.books --quick --out {tmp}/books",
+        timeout=240,
+        note="the CLI end to end (its own Ray, Redis, graph, claims, outputs): a minute of "
+        "traffic, each fault once. Without --check while its first claim fails (abandoned streams "
+        "charged an estimate: docs/benchmarks.md, the books drill); add it back with the fix",
     ),
     # -- against one `serve run configs/local.yaml` that --run starts for the group ------------
     "curl /v1/chat/completions": quick(

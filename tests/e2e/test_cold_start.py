@@ -22,7 +22,8 @@ def test_a_cold_pool_is_served_by_the_fallback_while_it_wakes_then_traffic_comes
 ):
     assert replica_admin.replica_ids(APP, f"pool-{COLD_POOL}") == []
     served, waits = [], []
-    deadline = time.monotonic() + 90
+    first_sent = time.monotonic()
+    deadline = first_sent + 90
     while time.monotonic() < deadline:
         started = time.monotonic()
         response = httpx.post(f"{forge_url}/v1/chat/completions", json=BODY, headers=AUTH)
@@ -34,8 +35,12 @@ def test_a_cold_pool_is_served_by_the_fallback_while_it_wakes_then_traffic_comes
         time.sleep(0.2)
     assert served[0] == "fallback", "the first request did not wait for a replica"
     assert served[-1] == COLD_POOL, f"the pool never came home: {served}"
-    # No request waited for the replica to start (a cold GPU replica takes minutes).
-    assert max(waits[:-1]) < 2.0, waits
+    # No request waited for the replica to start (a cold GPU replica takes minutes): each was
+    # answered in a fraction of the time the pool took to come home. A request that waited for
+    # the replica would take about all of it. (Measured against the start, not a fixed number
+    # of seconds: on a loaded machine an answer from the fallback took 3.8 s.)
+    came_home_s = time.monotonic() - first_sent
+    assert max(waits[:-1]) < came_home_s / 2, (waits, came_home_s)
     assert len(replica_admin.replica_ids(APP, f"pool-{COLD_POOL}")) == 1  # one warm-up, not N
     breaker = replica_admin.describe_breakers(APP)[COLD_POOL]
     deadline = time.monotonic() + 5  # the probe's verdict reaches the board right after it

@@ -43,7 +43,12 @@ def test_the_key_comes_from_the_variable_the_config_names(monkeypatch):
 
 
 def test_without_the_variable_or_a_ray_cluster_there_is_no_key(monkeypatch):
+    from ray.experimental import internal_kv
+
     monkeypatch.delenv("UNSET_KV_SECRET", raising=False)
+    # Outside Ray, whatever else this test session has started (the e2e tests' Ray would hold
+    # a cluster key in its GCS).
+    monkeypatch.setattr(internal_kv, "_internal_kv_initialized", lambda: False)
     with pytest.raises(RuntimeError, match=r"\$UNSET_KV_SECRET is unset"):
         curve_keys("curve", "UNSET_KV_SECRET")
 
