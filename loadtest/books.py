@@ -950,7 +950,7 @@ def check_gateways(killed: Sequence[KilledGateway]) -> tuple[Check, dict[str, di
 
 
 @dataclass
-class BooksReport:
+class BooksReport(soak.Judged):
     duration_s: float
     gateways: int
     engine: str
@@ -966,13 +966,6 @@ class BooksReport:
     started_at: str
     checks_s: float
     results: list[Result]  # every request, for the evidence (``<out>-requests.jsonl``)
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
-
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok]
 
 
 def _say(message: str) -> None:

@@ -1129,8 +1129,21 @@ def check_stream_cap(graph: Graph) -> Check:
 # -- the run ---------------------------------------------------------------------------------
 
 
+class Judged:
+    """A report's verdict from its ``checks`` (the soak's, and the books drill's)."""
+
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+
 @dataclass
-class SoakReport:
+class SoakReport(Judged):
     duration_s: float
     warmup_s: float
     window_s: float
@@ -1145,13 +1158,6 @@ class SoakReport:
     census: dict[str, list[dict]]
     started_at: str
     checks_s: float
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
-
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok]
 
 
 def _say(message: str) -> None:
