@@ -262,12 +262,15 @@ class Replica:
             **self.engine.stats().as_dict(),
         }
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """Serve calls this periodically; request routers read it (see ``routing/``). The same
         numbers go to the engine gauges, so dashboards see what routers see."""
         stats = self.engine.stats().as_dict()
         self._export(stats)
         if self.kv_events is not None:
+            # Routers subscribe where this says, so the publisher beats and answers snapshots
+            # from here on, before the engine's first request: an idle replica is not a dead one.
+            self.kv_events.start()
             stats["kv_events"] = self.kv_events.describe()
         # Cache keys: a gateway whose pool runs in another application learns it here.
         stats["engine_identity"] = self.engine_identity

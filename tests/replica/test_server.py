@@ -130,3 +130,37 @@ async def test_slow_fault_slows_the_engine():
     assert r.engine.llm.slow_factor == 5
     r.set_fault(None)
     assert r.engine.llm.slow_factor == 1.0
+
+
+async def test_an_idle_kv_aware_replica_beats_from_the_moment_it_says_where(monkeypatch):
+    """A router subscribes where the replica's routing stats point; the replica has served
+    nothing yet (its engine not started), and still its events arrive, heartbeats at least, over
+    CURVE with the cluster's key: silence would read as a dead replica."""
+    import zmq
+    import zmq.asyncio
+
+    from serve_app.kvcache.curve import CurveKeys, connect_curve
+
+    keys = CurveKeys.generate()
+    monkeypatch.setenv("FORGE_KV_CURVE_SECRET", keys.secret.decode())
+    r = Replica(
+        {
+            "name": "p",
+            "model": "m",
+            "engine": {"kind": "simulated"},
+            "routing": {"policy": "kv_aware"},
+        }
+    )
+    where = (await r.record_routing_stats())["kv_events"]
+    ctx = zmq.asyncio.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        connect_curve(sub, keys)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(where["endpoint"])
+        assert await sub.poll(10_000), "the idle replica's heartbeat"
+        assert not r._started, "and its engine still waits for a first request"
+    finally:
+        ctx.destroy(linger=0)
+        await r.kv_events.close()
