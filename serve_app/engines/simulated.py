@@ -65,7 +65,8 @@ class SimulatedEngine(Engine):
 
     def _generate(self, body: dict, kind: Kind, request_id: str):
         """Validate like vLLM (400 for what can never fit) and start the token stream, shaped
-        by ``stop`` and ``response_format`` (``output_rules.py``)."""
+        by ``stop`` and ``response_format`` (``output_rules.py``); with the flag a stop string
+        sets when it ends the generation."""
         ids, max_tokens = self._prepare(body, kind)
         # Client request ids may repeat; the engine's must not (vLLM suffixes them too).
         self._serial += 1
@@ -82,7 +83,7 @@ class SimulatedEngine(Engine):
             )
         except ValueError as exc:
             raise errors.invalid_request(str(exc), code="context_length_exceeded") from None
-        return ids, _shaped(tokens, body, stopped)
+        return ids, _shaped(tokens, body, stopped), stopped
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
         field = "messages" if kind == "chat" else "prompt"
@@ -137,22 +138,32 @@ class SimulatedEngine(Engine):
         chunk = _ChunkFormat("chat", request_id, self.model, include_usage)
         generated = cached = 0
         started: set[int] = set()
-        async with contextlib.aclosing(tokens):
-            async for out in tokens:
-                if generated == 0:
-                    yield chunk.role()
-                index, piece = pieces[generated]
-                generated += 1
-                cached = out.num_cached_tokens
-                first = index not in started
-                started.add(index)
-                yield chunk.tool_call(index, piece, calls[index] if first else None)
-        if generated == len(pieces):
-            yield chunk.finish(finish)
-        usage = Usage(len(ids), generated, cached)
-        if include_usage:
-            yield chunk.usage(usage)
-        yield usage
+        done = handed = False
+        try:
+            async with contextlib.aclosing(tokens):
+                async for out in tokens:
+                    if generated == 0:
+                        yield chunk.role()
+                    cached = out.num_cached_tokens
+                    # A merged output (a consumer that fell behind) is still a chunk per piece:
+                    # the pieces exist already, so this holds no more than one chunk would.
+                    for _ in range(out.num_tokens):
+                        index, piece = pieces[generated]
+                        generated += 1
+                        first = index not in started
+                        started.add(index)
+                        yield chunk.tool_call(index, piece, calls[index] if first else None)
+            done = True
+            if generated == len(pieces):
+                yield chunk.finish(finish)
+            usage = Usage(len(ids), generated, cached)
+            if include_usage:
+                yield chunk.usage(usage)
+            handed = True
+            yield usage
+        finally:
+            if done and not handed:  # see ``stream``
+                self.abandoned.record(request_id, Usage(len(ids), generated, cached))
 
     async def _complete_calls(
         self, body: dict, request_id: str, calls: list[ToolCall]
@@ -162,9 +173,10 @@ class SimulatedEngine(Engine):
         generated = cached = 0
         async with contextlib.aclosing(tokens):
             async for out in tokens:
-                index, piece = pieces[generated]
-                arguments[index] += piece
-                generated += 1
+                for _ in range(out.num_tokens):
+                    index, piece = pieces[generated]
+                    arguments[index] += piece
+                    generated += 1
                 cached = out.num_cached_tokens
         usage = Usage(len(ids), generated, cached)
         message = {
@@ -186,28 +198,42 @@ class SimulatedEngine(Engine):
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
         if calls:
-            async for item in self._stream_calls(body, request_id, calls):
-                yield item
+            async with contextlib.aclosing(self._stream_calls(body, request_id, calls)) as items:
+                async for item in items:
+                    yield item
             return
-        ids, tokens = self._generate(body, kind, request_id)
+        ids, tokens, stopped = self._generate(body, kind, request_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
         completion_tokens = cached = 0
-        # Closing this stream must abort the request now, not when the GC finalises `tokens`.
-        async with contextlib.aclosing(tokens):
-            async for text, finish_reason, cached_now in tokens:
-                cached = cached_now
-                if completion_tokens == 0 and kind == "chat":
-                    yield chunk.role()  # like vLLM: with the first token, after prefill
-                completion_tokens += 1
-                if text:
-                    yield chunk.token(text)
-                if finish_reason is not None:
-                    yield chunk.finish(finish_reason)
-        usage = Usage(len(ids), completion_tokens, cached)
-        if include_usage:
-            yield chunk.usage(usage)
-        yield usage
+        done = handed = False
+        try:
+            # Closing this stream must abort the request now, not when the GC finalises it.
+            async with contextlib.aclosing(tokens):
+                # One chunk per engine output, as vLLM's serving layer streams them: a token
+                # each, or several merged for a consumer that fell behind (``_Request.take``).
+                async for text, finish_reason, cached_now, num_tokens in tokens:
+                    cached = cached_now
+                    if completion_tokens == 0 and kind == "chat":
+                        yield chunk.role()  # like vLLM: with the first token, after prefill
+                    completion_tokens += num_tokens
+                    if text:
+                        yield chunk.token(text)
+                    if finish_reason is not None:
+                        yield chunk.finish(finish_reason)
+            done = True
+            usage = Usage(len(ids), completion_tokens, cached)
+            if include_usage:
+                yield chunk.usage(usage)
+            handed = True
+            yield usage
+        finally:
+            if (done or stopped) and not handed:
+                # The engine is done with it (it finished, or a stop string ended it, which is
+                # no abandonment) but the caller left before its usage came: charged all the
+                # same, once. A stream left while the engine still generated is the engine's
+                # abort to report (``on_abort``), what it generated included.
+                self.abandoned.record(request_id, Usage(len(ids), completion_tokens, cached))
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
         if kind == "embedding":
@@ -215,16 +241,17 @@ class SimulatedEngine(Engine):
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
         if calls:
             return await self._complete_calls(body, request_id, calls)
-        ids, tokens = self._generate(body, kind, request_id)
+        ids, tokens, _ = self._generate(body, kind, request_id)
         pieces: list[str] = []
         finish_reason = "stop"
-        cached = 0
+        cached = generated = 0
         async with contextlib.aclosing(tokens):
-            async for text, reason, cached_now in tokens:
+            async for text, reason, cached_now, num_tokens in tokens:
                 cached = cached_now
                 pieces.append(text)
+                generated += num_tokens
                 finish_reason = reason or finish_reason
-        usage = Usage(len(ids), len(pieces), cached)
+        usage = Usage(len(ids), generated, cached)
         text = "".join(pieces)
         if kind == "chat":
             answer: dict = {"message": {"role": "assistant", "content": text}}
@@ -326,9 +353,12 @@ class _StopFlag:
 
 async def _shaped(
     tokens: AsyncIterator[TokenOutput], body: dict, stopped: _StopFlag
-) -> AsyncIterator[tuple[str, str | None, int]]:
-    """Per generated token: the text that goes out, its finish reason and the cached prompt
-    tokens, with JSON mode's wrapping and stop strings applied."""
+) -> AsyncIterator[tuple[str, str | None, int, int]]:
+    """Per engine output: the text that goes out, its finish reason, the cached prompt tokens
+    and the tokens it holds, with JSON mode's wrapping and stop strings applied. (A stop string
+    inside a merged output ends the text there; the output's tokens all count, since the
+    engine generated them: vLLM, which checks stop strings per step, would have stopped at it.)
+    """
     shape = JsonShape.of(body)
     matcher = StopMatcher(stop_strings(body))
     first = True
@@ -343,11 +373,11 @@ async def _shaped(
             text, hit = matcher.feed(text)
             if hit:
                 stopped.set = True  # closing `tokens` below aborts the rest of the generation
-                yield text, "stop", out.num_cached_tokens
+                yield text, "stop", out.num_cached_tokens, out.num_tokens
                 return
             if out.finish_reason is not None:
                 text += matcher.flush()
-            yield text, out.finish_reason, out.num_cached_tokens
+            yield text, out.finish_reason, out.num_cached_tokens, out.num_tokens
 
 
 class _ChunkFormat:

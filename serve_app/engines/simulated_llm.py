@@ -30,7 +30,7 @@ import asyncio
 import hashlib
 import sys
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -87,13 +87,19 @@ class SimulatedLLMConfig:
 
 @dataclass(frozen=True, slots=True)
 class TokenOutput:
-    """One generated token, as the engine core hands it to the formatting layer."""
+    """The tokens generated for a request since its consumer last took an output, as the engine
+    hands them to the formatting layer: one token while the consumer keeps up, several merged
+    into one output for a consumer that fell behind (``_Request.take``)."""
 
-    token_id: int
+    token_ids: tuple[int, ...]
     text: str
-    index: int
+    index: int  # of the first of these tokens in the generation
     finish_reason: FinishReason | None
     num_cached_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def _mix64(x: int) -> int:
@@ -234,7 +240,16 @@ _WAITING, _RUNNING, _DONE = 0, 1, 2
 
 
 class _Request:
-    """Engine-side state of one request; the consumer reads ``pending`` via ``waiter``."""
+    """Engine-side state of one request; the consumer ``take``s what is pending, woken by
+    ``waiter``.
+
+    What the consumer has not taken yet is one output that grows, never a queue of outputs:
+    vLLM's ``AsyncLLM`` hands a request's outputs over through a one-slot
+    ``RequestOutputCollector`` that merges a new delta output into the one not yet taken
+    (``RequestOutput.add``), so its engine never waits for a slow consumer: it keeps generating,
+    and the consumer gets fewer, longer outputs. A slow reader therefore costs the engine the
+    undelivered tokens (an id and a shared word each here), not an object per token.
+    """
 
     __slots__ = (
         "block_hashes",
@@ -246,7 +261,10 @@ class _Request:
         "num_output_tokens",
         "num_prompt_tokens",
         "on_abort",
-        "pending",
+        "pending_finish",
+        "pending_ids",
+        "pending_index",
+        "pending_text",
         "pooling",
         "prefill_left",
         "request_id",
@@ -281,13 +299,50 @@ class _Request:
         self.num_generated = 0
         self.prefill_left = 0  # uncached prompt tokens not yet computed (while running)
         self.state = _WAITING
-        self.pending: deque[TokenOutput] = deque()
+        self.pending_ids: list[int] = []  # generated, not yet taken by the consumer
+        self.pending_text: list[str] = []
+        self.pending_index = 0
+        self.pending_finish: FinishReason | None = None
         self.waiter: asyncio.Future[None] | None = None
+
+    def add(self, token_id: int, text: str, index: int, finish: FinishReason | None) -> None:
+        if not self.pending_ids:
+            self.pending_index = index
+        self.pending_ids.append(token_id)
+        self.pending_text.append(text)
+        self.pending_finish = finish
+
+    def take(self) -> TokenOutput | None:
+        """Everything generated since the last take, as one output (None if nothing is)."""
+        if not self.pending_ids:
+            return None
+        output = TokenOutput(
+            token_ids=tuple(self.pending_ids),
+            text="".join(self.pending_text),
+            index=self.pending_index,
+            finish_reason=self.pending_finish,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+        self.pending_ids, self.pending_text, self.pending_finish = [], [], None
+        return output
+
+    def drop_pending(self) -> None:
+        self.pending_ids, self.pending_text, self.pending_finish = [], [], None
 
     def wake(self) -> None:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def _cost(request: _Request, prefilled: bool) -> Usage:
+    """What a request cost the engine: its prompt if it was prefilled, and every token
+    generated for it, delivered or not (what the engine's counters added)."""
+    return Usage(
+        request.num_prompt_tokens if prefilled else 0,
+        request.num_generated,
+        request.num_cached_tokens if prefilled else 0,
+    )
 
 
 def _prefill_chunk(request: _Request, budget: int, emitting: list[_Request]) -> int:
@@ -409,8 +464,10 @@ class SimulatedLLM:
 
         A plain method rather than an async generator so a request that can never be served
         fails here, at call time. The request enters the queue only when iteration starts, so a
-        stream that is created but never iterated holds nothing. The stream ends after the token
-        whose ``finish_reason`` is set, or, if aborted, early and without one. Closing it or
+        stream that is created but never iterated holds nothing. Each output is the tokens
+        generated since the consumer took the last one (one, unless it fell behind: the engine
+        does not wait for it). The stream ends after the output whose ``finish_reason`` is set,
+        or, if aborted, early and without one. Closing it or
         cancelling its consumer aborts the request at once, and ``on_abort`` hears what the
         aborted request cost: its prompt if it was prefilled, and every token generated for
         it (delivered or not), exactly what the engine's counters added.
@@ -472,12 +529,14 @@ class SimulatedLLM:
     async def _stream(self, request: _Request) -> AsyncIterator[TokenOutput]:
         self._enqueue(request)
         loop = asyncio.get_running_loop()
+        taken = False  # the consumer took the last output and came back for more
         try:
             while True:
-                if request.pending:
-                    output = request.pending.popleft()
+                output = request.take()
+                if output is not None:
                     yield output
                     if output.finish_reason is not None:
+                        taken = True
                         return
                 elif request.state == _DONE:
                     return  # aborted: no more tokens will come
@@ -488,6 +547,12 @@ class SimulatedLLM:
                     await request.waiter
                     request.waiter = None
         finally:
+            if not taken and request.num_generated == request.num_output_tokens:
+                # It finished while its consumer was behind, and the consumer left before
+                # taking the end: to the consumer that is an abort, and it hears the cost.
+                request.drop_pending()
+                if request.on_abort is not None:
+                    request.on_abort(_cost(request, prefilled=True))
             # Consumer closed or cancelled: free the slot now, not when the step loop notices.
             self._release(request, aborted=True)
 
@@ -523,15 +588,9 @@ class SimulatedLLM:
         request.state = _DONE
         del self._requests[request.request_id]
         if aborted:
-            request.pending.clear()
+            request.drop_pending()
             if request.on_abort is not None:
-                request.on_abort(
-                    Usage(
-                        request.num_prompt_tokens if prefilled else 0,
-                        request.num_generated,
-                        request.num_cached_tokens if prefilled else 0,
-                    )
-                )
+                request.on_abort(_cost(request, prefilled))
         request.wake()
 
     async def _run(self) -> None:
@@ -653,14 +712,11 @@ class SimulatedLLM:
             index = request.num_generated
             word = _mix64(request.seed + index + 1) % num_words
             last = index + 1 == request.num_output_tokens
-            request.pending.append(
-                TokenOutput(
-                    token_id=_OUTPUT_IDS[word],
-                    text=OUTPUT_WORDS[word],
-                    index=index,
-                    finish_reason=request.last_finish_reason if last else None,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
+            request.add(
+                _OUTPUT_IDS[word],
+                OUTPUT_WORDS[word],
+                index,
+                request.last_finish_reason if last else None,
             )
             request.num_generated = index + 1
             if last:

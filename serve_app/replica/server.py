@@ -3,6 +3,14 @@
 The replica is engine-agnostic. It coalesces the frames that are ready into one handle item
 (a Serve handle stream pays per item, not per byte), injects faults, reports vLLM-named stats
 for routing and dashboards, and aborts the engine's request when the caller goes away.
+
+A stream's engine runs at most ``STREAM_QUEUE_ITEMS`` frames ahead of its caller: a slow reader
+slows what is pulled from its own generation, never the others', and costs this process a
+bounded queue, not the generation. The caller's pace reaches here because the gateway pulls its
+handle stream only as its client takes the bytes, and in throughput-optimized mode (gRPC
+between deployments, user code on the replica's loop: every config in ``configs/``) Serve pulls
+this generator only as gRPC's flow control lets it write. (In Serve's default mode Serve drains
+it into a queue of its own, in another thread, whatever the caller's pace.)
 """
 
 from __future__ import annotations
@@ -28,6 +36,15 @@ from serve_app.tracing import describe_usage, extract, tracer_for
 logger = logging.getLogger("ray.serve")
 
 _END = object()
+# How many items (SSE frames, mostly) a stream's engine may run ahead of its caller here. A
+# stream whose caller reads slowly fills this and its producer waits: the engine's stream is
+# not pulled, and the engine keeps what it generated meanwhile as one merged output (vLLM's
+# ``RequestOutputCollector``; the simulator models it), a few bytes a token, never a queue of
+# frames. 64 frames are ~13 KiB and about a second of one sequence's tokens at typical decode
+# rates: a gateway's pause of that long (a GC, a burst of other streams) costs no merging,
+# while a caller that reads a byte a second costs this replica 64 frames, not a generation.
+# Every coalesced batch is at most this long too. Not a setting: nothing it trades needs tuning.
+STREAM_QUEUE_ITEMS = 64
 
 
 def build_engine(pool: PoolConfig, kv_events: KvEventPublisher | None = None) -> Engine:
@@ -124,9 +141,10 @@ class Replica:
             with self._span(trace_context, request_id) as span:
                 await self._ensure_started()
                 await self.faults.before_first_frame()
-                queue: asyncio.Queue = asyncio.Queue()
-                producer = asyncio.create_task(self._produce(body, kind, request_id, queue))
-                generation = _Generation(request_id, producer, queue, self.engine.abandoned)
+                generation = _Generation(
+                    request_id, self.engine.stream(body, kind, request_id), self.engine.abandoned
+                )
+                queue = generation.queue
                 self._generations.setdefault(request_id, []).append(generation)
                 sent = 0
                 try:
@@ -137,12 +155,11 @@ class Replica:
                             if item is _END:
                                 if batch:
                                     yield batch
-                                generation.undelivered = None  # resumed after its batch: taken
+                                generation.usage = None  # resumed after its batch: taken
                                 return
                             if isinstance(item, BaseException):
                                 raise item
                             if isinstance(item, Usage):
-                                generation.undelivered = item
                                 usage = item.to_openai()
                                 batch.append({"usage": usage})
                                 describe_usage(span, usage)
@@ -165,16 +182,6 @@ class Replica:
                         self._generations.pop(request_id, None)
         finally:
             self.open_streams -= 1
-
-    async def _produce(self, body: dict, kind: Kind, request_id: str, queue: asyncio.Queue):
-        try:
-            async for item in self.engine.stream(body, kind, request_id):
-                queue.put_nowait(item)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # surfaced to the consumer, which re-raises it
-            queue.put_nowait(exc)
-        queue.put_nowait(_END)
 
     async def complete(
         self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
@@ -316,39 +323,55 @@ class Replica:
 
 
 class _Generation:
-    """One stream's engine task and the final ``Usage`` its caller has not taken yet.
+    """One stream's engine task, the bounded queue it fills, and the engine's final ``Usage``
+    until its caller has taken it.
+
+    The producer task pulls the engine's stream into ``queue`` (``STREAM_QUEUE_ITEMS`` long) and
+    waits while it is full: a caller's pace is the stream's pace. ``usage`` is set as soon as the
+    engine yields it, before it is queued, and cleared by the consumer once the batch carrying it
+    was taken; so a usage waiting for room, queued, or in the batch the caller left at is never
+    lost.
 
     ``end`` runs once, from whichever comes first: the stream's own close or the gateway's
     ``abandoned_usage``. A running generation is aborted (the engine records what it cost);
-    a finished one whose usage never reached the caller (still queued, or in the batch it left
-    at) has that usage recorded as an abort's would be. The two cannot both happen: an engine
-    reports usage only for a generation that finished, an abort only for one that did not.
+    a finished one whose usage never reached the caller has that usage recorded as an abort's
+    would be. The two cannot both happen: an engine reports usage only for a generation that
+    finished, an abort only for one that did not.
     """
 
-    def __init__(self, request_id: str, producer: asyncio.Task, queue: asyncio.Queue, abandoned):
+    def __init__(self, request_id: str, items: AsyncIterator, abandoned) -> None:
         self.request_id = request_id
-        self.producer = producer
-        self.queue = queue
         self.abandoned = abandoned
-        self.undelivered: Usage | None = None
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_ITEMS)
+        self.usage: Usage | None = None
         self.ended = False
+        self.producer = asyncio.create_task(self._produce(items))
+
+    async def _produce(self, items: AsyncIterator) -> None:
+        queue = self.queue
+        try:
+            # Closed here, however this ends: a producer cancelled while it waits for room is
+            # outside the engine's stream, which must still abort now, not when it is collected.
+            async with contextlib.aclosing(items):
+                async for item in items:
+                    if isinstance(item, Usage):
+                        self.usage = item
+                    await queue.put(item)  # waits while the caller is this far behind
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced to the consumer, which re-raises it
+            await queue.put(exc)
+        await queue.put(_END)
 
     def end(self) -> None:
         if self.ended:
             return
         self.ended = True
         self.producer.cancel()
-        undelivered = self.undelivered or _queued_usage(self.queue)
-        self.undelivered = None
+        undelivered, self.usage = self.usage, None
         if undelivered is not None:
             self.abandoned.record(self.request_id, undelivered)
-        self.queue.put_nowait(_END)  # a consumer still waiting for items returns
-
-
-def _queued_usage(queue: asyncio.Queue) -> Usage | None:
-    """The engine's final ``Usage`` among what the caller left unread, if it got that far."""
-    while not queue.empty():
-        item = queue.get_nowait()
-        if isinstance(item, Usage):
-            return item
-    return None
+        # What the caller left unread goes, so _END fits: a consumer still waiting returns.
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(_END)

@@ -278,3 +278,49 @@ async def test_embeddings_take_slots_and_prefill_but_generate_nothing(make_engin
     assert max(running) == 2  # three inputs, two slots: batched, never over the engine's size
     assert stats.prompt_tokens == stats.prefix_cache_queries == tokens
     assert stats.generation_tokens == 0
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"stop": [" the"]}, {"tools": [WEATHER], "tool_choice": "required"}],
+    ids=["text", "stop-string", "tool-call"],
+)
+async def test_a_stream_left_at_any_item_once_the_engine_is_done_is_charged_once(
+    make_engine: EngineFactory, extra: dict
+):
+    """A caller slower than the engine (the replica's bounded queue makes it wait) may leave at
+    any item, after the engine finished: what it cost is recorded exactly once, and in full."""
+    engine = make_engine(output_tokens_min=30, output_tokens_max=30)
+    body = {**CHAT, "stream_options": {"include_usage": True}, **extra}
+    reference = [item async for item in engine.stream(body, "chat", "ref")]
+    final = reference[-1]
+    assert isinstance(final, Usage)
+    for cut in range(1, len(reference)):  # the caller took `cut` items, never the Usage
+        request_id = f"cut-{cut}"
+        stream = engine.stream(body, "chat", request_id)
+        for _ in range(cut):
+            await anext(stream)
+        await eventually_async(
+            lambda: engine.llm.num_requests_running + engine.llm.num_requests_waiting == 0,
+            timeout_s=5,
+            what="the engine to be done with the request",
+        )
+        await stream.aclose()
+        usage = await engine.abandoned.collect(request_id, 1.0)
+        assert usage is not None, f"left after {cut} items: not charged"
+        assert usage.prompt_tokens == final.prompt_tokens
+        if "stop" in extra:
+            # Left before the stop string reached it, the engine generated on (merged).
+            assert final.completion_tokens <= usage.completion_tokens <= 30
+        else:  # (its prompt is in the prefix cache by now: cached_tokens differ)
+            assert usage.completion_tokens == final.completion_tokens, f"left after {cut} items"
+        assert await engine.abandoned.collect(request_id, 0.0) is None, "charged once"

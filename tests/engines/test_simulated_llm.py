@@ -102,7 +102,7 @@ async def test_output_is_deterministic_and_depends_on_the_prompt(
     different = await collect(engine, "b", prompt(20, start=7))
     seeded = await collect(engine, "c", prompt(20), seed_text="seed")
 
-    assert [(o.token_id, o.text) for o in first] == [(o.token_id, o.text) for o in again]
+    assert [(o.token_ids, o.text) for o in first] == [(o.token_ids, o.text) for o in again]
     assert [o.text for o in first] != [o.text for o in different]
     assert [o.text for o in first] != [o.text for o in seeded]
     assert 16 <= len(first) <= 64
@@ -110,7 +110,7 @@ async def test_output_is_deterministic_and_depends_on_the_prompt(
     assert [o.finish_reason for o in first] == [None] * (len(first) - 1) + ["stop"]
     for out in first:
         assert out.text in tokenizer.OUTPUT_WORDS
-        assert out.token_id == tokenizer.token_id(out.text)
+        assert out.token_ids == (tokenizer.token_id(out.text),)  # a consumer keeping up
 
 
 async def test_output_is_the_same_in_another_process(make_engine: EngineFactory) -> None:
@@ -181,6 +181,25 @@ async def test_lru_eviction_drops_the_oldest_prompt(make_engine: EngineFactory) 
 
     assert (await collect(engine, "b-again", b, 3))[0].num_cached_tokens == 8
     assert (await collect(engine, "a-again", a, 3))[0].num_cached_tokens == 0
+
+
+async def test_a_consumer_that_falls_behind_gets_one_merged_output_and_never_pauses_the_engine(
+    make_engine: EngineFactory,
+) -> None:
+    """As vLLM's ``RequestOutputCollector`` does: the engine does not wait for a slow consumer,
+    and what it holds for one is the tokens not taken yet, merged into one output."""
+    engine = make_engine(output_tokens_min=40, output_tokens_max=40)
+    fast = await collect(make_engine(output_tokens_min=40, output_tokens_max=40), "a", prompt(10))
+    stream = engine.generate("a", prompt(10), 64)
+    first = await anext(stream)
+    # Nobody reads: the generation runs to its end all the same, and frees its slot.
+    await wait_until(lambda: engine.num_requests_running == 0)
+    assert engine.generation_tokens == 40
+    (rest,) = [out async for out in stream]
+    assert (first.num_tokens, first.index, rest.num_tokens, rest.index) == (1, 0, 39, 1)
+    assert rest.finish_reason == "stop"
+    assert first.text + rest.text == "".join(out.text for out in fast)
+    assert first.token_ids + rest.token_ids == tuple(i for out in fast for i in out.token_ids)
 
 
 async def test_abort_frees_the_slot_and_admits_the_next(make_engine: EngineFactory) -> None:
