@@ -21,12 +21,26 @@ def frame_data(event: bytes) -> bytes:
     return event.strip()
 
 
-async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+# The largest event ``split_frames`` waits for. A chat stream's event is one step's delta, a
+# few hundred bytes (a slow reader's merged delta, or a tool call's arguments, some KiB); an
+# upstream that sends more without a blank line is broken or hostile, and buffering it would
+# let it grow the gateway's memory without bound.
+MAX_FRAME_BYTES = 1 << 20
+
+
+class FrameTooLarge(ValueError):
+    """An upstream event grew past ``MAX_FRAME_BYTES`` before it ended."""
+
+
+async def split_frames(
+    chunks: AsyncIterator[bytes], max_frame_bytes: int = MAX_FRAME_BYTES
+) -> AsyncIterator[list[bytes]]:
     """Re-frame a byte stream into whole SSE events, a list per network read.
 
     Upstream servers may split or merge events across reads; downstream we pass events through
     unchanged, so only the framing is parsed, never the JSON inside. Events that arrived
-    together stay together (one downstream write instead of several).
+    together stay together (one downstream write instead of several). What is buffered is at
+    most one unfinished event: past ``max_frame_bytes`` it raises ``FrameTooLarge``.
     """
     buffer = b""
     async for chunk in chunks:
@@ -34,10 +48,17 @@ async def split_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes
         if b"\r" in buffer:  # normalise on the buffer: a CRLF may be split across two reads
             buffer = buffer.replace(b"\r\n", b"\n")
         events = []
-        while (end := buffer.find(b"\n\n")) >= 0:
-            event, buffer = buffer[: end + 2], buffer[end + 2 :]
+        start = 0
+        while (end := buffer.find(b"\n\n", start)) >= 0:
+            event = buffer[start : end + 2]
+            start = end + 2
+            if len(event) > max_frame_bytes:
+                raise FrameTooLarge(f"an upstream event is larger than {max_frame_bytes} bytes")
             if event.strip():
                 events.append(event)
+        buffer = buffer[start:]
+        if len(buffer) > max_frame_bytes:
+            raise FrameTooLarge(f"an upstream event grew past {max_frame_bytes} bytes")
         if events:
             yield events
     if buffer.strip():

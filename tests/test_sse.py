@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import orjson
+import pytest
 
 from serve_app import sse
 
@@ -65,3 +66,20 @@ async def test_trailing_event_without_blank_line_is_flushed():
 async def test_blank_keepalives_and_empty_stream_yield_nothing():
     assert await split(b"\n\n", b"\n\n") == []
     assert await split() == []
+
+
+async def test_an_event_that_grows_past_the_cap_without_ending_is_an_error():
+    """The splitter buffers one unfinished event at most, never an upstream's whole output."""
+    endless = (b"data: " + b"x" * 1000 for _ in range(10))
+    with pytest.raises(sse.FrameTooLarge):
+        [events async for events in sse.split_frames(reads(*endless), max_frame_bytes=4096)]
+
+
+async def test_a_whole_event_over_the_cap_is_an_error_and_one_under_it_passes():
+    big = b"data: " + b"x" * 5000 + b"\n\n"
+    with pytest.raises(sse.FrameTooLarge):
+        [events async for events in sse.split_frames(reads(big), max_frame_bytes=4096)]
+    fits = b"data: " + b"x" * 4000 + b"\n\n"
+    assert [e async for e in sse.split_frames(reads(fits[:9], fits[9:]), max_frame_bytes=4096)] == [
+        [fits]
+    ]

@@ -104,6 +104,8 @@ class FallbackBackend:
             raise errors.upstream_timeout("The fallback model stopped answering.") from exc
         except httpx.HTTPError as exc:
             raise errors.bad_gateway(f"The fallback stream broke: {type(exc).__name__}.") from exc
+        except sse.FrameTooLarge as exc:  # never buffered whole: cut, and said so
+            raise errors.bad_gateway(f"The fallback model's stream broke: {exc}.") from exc
         finally:
             await response.aclose()
 

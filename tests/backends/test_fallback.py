@@ -315,6 +315,23 @@ async def test_stream_breaking_midway_raises_after_the_first_batch(make_backend,
     assert info.value.status == status
 
 
+async def test_an_event_past_the_frame_cap_ends_the_stream_with_a_502(make_backend):
+    """An upstream that never ends its event is cut once it passes ``sse.MAX_FRAME_BYTES``
+    (the relay then sends an SSE error event), instead of growing the gateway's memory."""
+
+    async def endless() -> AsyncIterator[bytes]:
+        yield HELLO
+        for _ in range(sse.MAX_FRAME_BYTES // 65536 + 2):
+            yield b"x" * 65536
+
+    backend, _ = make_backend(lambda r: httpx.Response(200, content=endless()))
+    stream = backend.stream({**CHAT, "stream": True}, "chat", "r")
+    assert await anext(stream) == [HELLO]
+    with pytest.raises(ForgeError) as info:
+        await anext(stream)
+    assert info.value.status == 502 and "bytes" in info.value.message
+
+
 async def test_complete_returns_response_and_no_replica(make_backend):
     answer = {"id": "x", "object": "chat.completion", "choices": [], "usage": USAGE}
     backend, upstream = make_backend(lambda r: httpx.Response(200, json=answer))
