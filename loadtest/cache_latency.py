@@ -7,7 +7,7 @@ Three kinds of streamed request, each prompt new unless it is a repeat, sent in 
 interleave them (so drift in the machine's speed hits all three alike):
 
 - ``bypass``: ``temperature`` 0.7, never looked up: the path without a cache;
-- ``miss``: ``temperature`` 0, a prompt never seen: a lookup that misses, the frames kept, the
+- ``miss``: ``temperature`` 0, a prompt never seen: a lookup that misses, its text gathered, the
   answer stored after it ends; ``miss - bypass`` is the cache's cost on a miss;
 - ``hit``: a ``miss`` prompt again: answered from the store, no slot, no engine.
 

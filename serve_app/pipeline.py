@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
@@ -23,6 +23,9 @@ from starlette.responses import Response, StreamingResponse
 from serve_app import errors
 from serve_app.config.models import TenantConfig
 from serve_app.engines.base import Kind
+
+if TYPE_CHECKING:
+    from serve_app.stages.cache_rules import StreamedAnswer
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,11 +64,10 @@ class RequestContext:
     stream_error: str | None = None  # set when a stream ended with an SSE error event
     client_timeout_s: float | None = None  # the client's own total deadline, if it gave one
     cache: str | None = None  # "hit", "miss" or "bypass" once the cache stage has looked
-    # What the cache keeps of a miss: the non-streamed answer, or the stream's frames (a list
-    # only while the cache wants them; relay appends to it).
+    # What the cache keeps of a miss: the non-streamed answer, or the stream's, gathered from
+    # its frames as relay passes them (set only when the cache wants it).
     completion: dict | None = None
-    frames: list[bytes] | None = None
-    frames_budget: int = 0  # bytes of frames still to keep; past it, ``frames`` is dropped
+    gathered: StreamedAnswer | None = None
     prompt_estimate: int | None = None  # the gateway's count of the prompt, once made
     model_served: bool = False  # set by parse: the body's model is one this gateway serves
 

@@ -76,8 +76,9 @@ class TenantConfig(_Strict):
     weight: Annotated[float, Field(gt=0)] = 1.0
     limits: TenantLimits = TenantLimits()
     # Whose cached answers this tenant may be served: its own only ("tenant"), or those of every
-    # tenant that also chose "shared" (same prompts, same model, one answer: cheaper, but a
-    # tenant can then tell what another asked before).
+    # tenant that also chose "shared" (same prompts, same model, one answer: cheaper). A hit on
+    # another tenant's entry is told as a miss, at the miss's pace (``stages/cache.py``): it
+    # saves GPU work, not latency, and does not say what another asked.
     cache_scope: Literal["tenant", "shared"] = "tenant"
     # While the shared store (Redis) is unreachable: "local" holds the tenant to each gateway
     # replica's share of its limits (1 / the gateway replicas), in that replica's memory;

@@ -37,9 +37,8 @@ from serve_app.resilience.breaker import Admit, Outcome, State
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.outcomes import classify, retryable
 from serve_app.resilience.retry_budget import RetryBudget
-from serve_app.stages.relay import ClosedOnce, relay, take_frames
+from serve_app.stages.relay import STREAM_HEADERS, ClosedOnce, relay, take_frames
 
-_STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _MAX_ATTEMPTS = 2  # the first try and at most one retry
 
 
@@ -246,7 +245,7 @@ class Dispatch:
         return EventStream(
             relay(ctx, head, source, lambda outcome: attempt.settle(ctx, outcome)),
             close_source=close_source,
-            headers={**_STREAM_HEADERS, **_served_by(ctx)},
+            headers={**STREAM_HEADERS, **_served_by(ctx)},
         )
 
 

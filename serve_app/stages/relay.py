@@ -20,6 +20,9 @@ from serve_app.resilience.outcomes import classify
 
 logger = logging.getLogger("ray.serve")
 
+# An SSE stream's own headers: a backend's, and a cached answer's, which must not differ from it.
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
 
 async def relay(
     ctx: RequestContext,
@@ -97,11 +100,8 @@ def take_frames(ctx: RequestContext, batch: list) -> bytes:
         if type(item) is bytes:
             frames.append(item)
             ctx.frames_sent += 1
-            if ctx.frames is not None:
-                ctx.frames.append(item)
-                ctx.frames_budget -= len(item)
-                if ctx.frames_budget < 0:
-                    ctx.frames = None  # too long to keep: not worth its memory
+            if ctx.gathered is not None:
+                ctx.gathered.add(item)
         elif "usage" in item:
             ctx.usage = item["usage"]
         elif "replica" in item:

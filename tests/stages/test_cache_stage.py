@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 import openai
+import orjson
 import pytest
 from openai.types import CompletionUsage
 
@@ -351,14 +352,79 @@ async def test_one_tenants_answer_is_never_served_to_another(rig: Rig, stream: b
 
 
 async def test_tenants_that_both_chose_the_shared_scope_share_answers(rig: Rig):
+    """Shared, but never told: the other tenant's hit says miss (``stages/cache.py``), and is a
+    hit all the same: no engine works for it, and the books count it."""
     first = await chat(rig["pooled-1"])
     assert first.cache == "miss"
     await stored(rig)
+    generated = rig.generated_tokens()
     second = await chat(rig["pooled-2"], stream=True)
-    assert (second.cache, second.backend) == ("hit", "cache")
+    assert (second.cache, second.backend) == ("miss", "primary")
+    assert second.headers["x-forge-replica"] == first.headers["x-forge-replica"]
     same_answer(second, first)
-    assert (await chat(rig["alpha"])).cache == "miss", "a tenant-scoped tenant is not served it"
+    assert rig.generated_tokens() == generated, "served from the cache"
     assert rig.metrics.cache_hits.calls == [{"tenant": "pooled-2"}]
+    mine = await chat(rig["pooled-1"], stream=True)
+    assert (mine.cache, mine.backend) == ("hit", "cache"), "the tenant that wrote it is told"
+    same_answer(mine, first)
+    assert (await chat(rig["alpha"])).cache == "miss", "a tenant-scoped tenant is not served it"
+
+
+async def raw_answer(rig: Rig, tenant: str, stream: bool) -> tuple[httpx.Headers, list[dict]]:
+    """The response as it came: its headers, and its JSON body or each SSE chunk's JSON."""
+    body = ask("the same question, from two tenants", **(STREAM if stream else {}))
+    async with rig.http() as h:
+        response = await h.post(
+            "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {KEYS[tenant]}"},
+        )
+    assert response.status_code == 200
+    if not stream:
+        return response.headers, [response.json()]
+    events = [e for e in response.content.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]"
+    return response.headers, [orjson.loads(e[6:]) for e in events[:-1]]
+
+
+def without_ids(parts: list[dict]) -> list[dict]:
+    """What a client could compare between two answers: all but their id and timestamp."""
+    return [{k: v for k, v in part.items() if k not in ("id", "created")} for part in parts]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_a_shared_hit_for_another_tenant_reads_exactly_as_the_miss_that_wrote_it(
+    rig: Rig, stream: bool
+):
+    miss_headers, miss = await raw_answer(rig, "pooled-1", stream)
+    await stored(rig)
+    hit_headers, hit = await raw_answer(rig, "pooled-2", stream)
+    assert rig.metrics.cache_hits.calls == [{"tenant": "pooled-2"}], "a hit, for the books"
+    told = ("x-forge-cache", "x-forge-backend", "x-forge-replica", "content-type", "cache-control")
+    assert [hit_headers.get(h) for h in told] == [miss_headers.get(h) for h in told]
+    assert miss_headers["x-forge-cache"] == "miss"
+    assert set(hit_headers) == set(miss_headers), "no header more, none less"
+    assert without_ids(hit) == without_ids(miss), "chunk for chunk, a token each"
+    # The id is the kind an engine gives, from Forge's key, not the client's x-request-id.
+    assert {p["id"].split("-", 1)[1] for p in hit} != {hit_headers["x-request-id"]}
+
+
+async def test_a_shared_hit_for_another_tenant_takes_as_long_as_the_writers_miss():
+    """Told as a miss, it is paced like one: never sooner than the writer's miss took (a lower
+    bound only: sleeps never end early, so no machine makes this flaky)."""
+    slow = {**FAST, "decode_base_s": 0.03}
+    async with running(forge_args(pool={"engine": slow})) as rig:
+        await chat(rig["pooled-1"], stream=True)  # at least 4 tokens: 4 decode steps
+        await stored(rig)
+        for stream in (True, False):
+            started = time.perf_counter()
+            other = await chat(rig["pooled-2"], stream=stream)
+            took = time.perf_counter() - started
+            assert other.cache == "miss"
+            assert took >= 4 * 0.03, f"answered in {took:.3f} s, sooner than any miss could be"
+        assert (await chat(rig["pooled-1"], stream=True)).cache == "hit"
+        hits = [c["tenant"] for c in rig.metrics.cache_hits.calls]
+        assert hits == ["pooled-2", "pooled-2", "pooled-1"], "hits, all three, for the books"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -531,3 +597,61 @@ async def test_while_the_pools_engine_is_unknown_or_changing_nothing_is_kept_or_
     identity[0] = "engine-2"
     assert [await ask(), await ask()] == ["miss", "hit"]  # the old engine's answer not replayed
     assert served == 5
+
+
+@pytest.mark.parametrize("max_entry_bytes", [256 * 1024, 4096])
+async def test_a_cacheable_stream_costs_the_gateway_its_text_never_its_frames(max_entry_bytes):
+    """A frame's envelope is ~30x its text: the cache gathers the text as the frames pass (at
+    most ``max_entry_bytes`` of it), and stops at once when it outgrows that, counted. Memory
+    by ``tracemalloc``: allocations, not time."""
+    import gc
+    import tracemalloc
+
+    from starlette.responses import PlainTextResponse
+
+    from serve_app.config.models import CacheConfig, TenantConfig
+    from serve_app.stages.cache import CachedPool, CacheStage
+    from serve_app.stages.relay import take_frames
+    from tests.doubles import MODEL, make_ctx
+
+    frames = 20_000  # 20 000 tokens: ~4 MiB of frames, ~100 KiB of text
+    chunk = (
+        b'data: {"id":"chatcmpl-0123456789abcdef0123456789abcdef","object":"chat.completion.chunk",'
+        b'"created":1700000000,"model":"forge-sim","choices":[{"index":0,"delta":{"content":'
+    )
+    end = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+    metrics = RecordingMetrics()
+    config = CacheConfig(max_entry_bytes=max_entry_bytes)
+    stage = CacheStage(MemoryStore(), metrics, config, {MODEL: CachedPool("primary", lambda: "e")})
+    held, gathered = 0, None
+
+    async def relayed(ctx) -> PlainTextResponse:
+        nonlocal held, gathered
+        ctx.backend = "primary"
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(frames):
+                # Each frame a new object, as from the network; the write itself is dropped.
+                take_frames(ctx, [chunk + orjson.dumps(f" w{i % 1000:03d}") + end])
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        gathered = ctx.gathered
+        ctx.usage = {"prompt_tokens": 1, "completion_tokens": frames, "total_tokens": frames + 1}
+        return PlainTextResponse("")
+
+    ctx = make_ctx(stream=True)
+    ctx.body["temperature"] = 0
+    ctx.parsed = ctx.parsed.model_copy(update={"temperature": 0})
+    ctx.tenant = TenantConfig(name="alpha", key_hashes=["a" * 64])
+    response = await stage(ctx, relayed)
+    assert response.headers["x-forge-cache"] == "miss"
+    text_bytes = 5 * frames
+    if max_entry_bytes > text_bytes:
+        assert held < 4 * text_bytes, f"a cacheable stream held {held} bytes"
+        assert gathered is not None and gathered.dropped is None
+    else:
+        assert held < 64 * 1024, f"a stream too long to keep still held {held} bytes"
+        assert gathered is not None and gathered.dropped == "too_large"
