@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import errors
 from serve_app.backends.base import ABANDONED_WAIT_S, Timeouts, paced
+from serve_app.backends.stream_window import bound_stream_windows
 from serve_app.bridge import BridgedPool, PoolBridge
 from serve_app.config.models import PoolConfig
 from serve_app.engines.base import EngineError, Kind
@@ -86,6 +87,7 @@ class PoolBackend(BridgedPool):
         bridge: PoolBridge | None = None,
     ) -> None:
         super().__init__(name, bridge)
+        bound_stream_windows()  # before the handle opens its first channel
         self.timeouts = timeouts
         self._handle = handle
         self._stream = handle.options(stream=True)  # also starts the router's replica updates
