@@ -36,10 +36,12 @@ def port_answers(base_url: str) -> bool:
         return False
 
 
-def start_graph(log_path: Path) -> subprocess.Popen:
+def start_graph(log_path: Path, config: str | Path = CONFIG) -> subprocess.Popen:
     """``serve run`` in a session of its own, so everything it starts (Ray's processes ignore
     SIGINT and stay in the session) can be found and stopped, and a Ctrl-C at the terminal
-    reaches only us. ``--address local``: never deploy onto a Ray someone else started."""
+    reaches only us. ``--address local``: never deploy onto a Ray someone else started.
+    ``config``: configs/local.yaml, or a changed copy of it (run from the repository root all
+    the same, where its relative paths point)."""
     env = {
         **os.environ,
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -50,7 +52,7 @@ def start_graph(log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [str(serve), "run", "--address", "local", CONFIG],
+            [str(serve), "run", "--address", "local", str(config)],
             cwd=REPO,
             env=env,
             stdin=subprocess.DEVNULL,

@@ -557,6 +557,11 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         timeout=900,
         note="was .ci/run step 3b, unchanged",
     ),
+    "python -m loadtest.slow_readers": quick(
+        "{python} -m loadtest.slow_readers --quick --out {tmp}/slow-readers.json",
+        timeout=420,
+        note="its own serve run of a changed copy of configs/local.yaml; 20 slow clients",
+    ),
     "python -m evals.local": quick(
         "{python} -m evals.local --json-dir {tmp} --log {tmp}/gate-serve.log"
         " --only protocol prompt:greeting metering",
