@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -56,6 +58,20 @@ def _cancel(response) -> None:
     """The caller gave up: the replica aborts the generation and frees its slot."""
     with contextlib.suppress(Exception):
         response.cancel()
+
+
+def outside_the_request(call, *args, **kwargs):
+    """``call(*args, **kwargs)`` made as nobody's child call.
+
+    Serve cancels a cancelled request's child calls still waiting for a replica
+    (``Replica._on_request_cancelled``), and a call made in the request's context is its child.
+    The calls made because a request ended (what its aborted stream cost) are made just as Serve
+    cancels it when its client left, and were cancelled with it: the tenant was charged an
+    estimate. Made with Serve's request context unset, they are not the request's.
+    """
+    detached = contextvars.copy_context()
+    detached.run(serve_context._serve_request_context.set, None)
+    return detached.run(call, *args, **kwargs)
 
 
 async def _assigned(response) -> None:
@@ -179,6 +195,7 @@ class PoolBackend(BridgedPool):
         """``method(*args, replica_id=, request_id=)`` on that replica: the pool's router obeys
         ``bridge.pinned``; None if it fails or is late.
 
+        Made outside the request that asks (``outside_the_request``), whose end it follows.
         A call is never left waiting for a replica that is gone: the router then sends it to
         any replica, which answers None for a replica id not its own. And it is not cancelled
         when late: cancelling a call Serve has not yet assigned waits for the assignment,
@@ -187,8 +204,11 @@ class PoolBackend(BridgedPool):
         """
         self.bridge.pinned[request_id] = replica_id
         try:
-            call = getattr(self._handle, method).remote(
-                *args, replica_id=replica_id, request_id=request_id
+            call = outside_the_request(
+                getattr(self._handle, method).remote,
+                *args,
+                replica_id=replica_id,
+                request_id=request_id,
             )
             return await asyncio.wait_for(asyncio.shield(call), timeout_s)
         except Exception as exc:  # TimeoutError, the replica died

@@ -98,3 +98,42 @@ async def test_a_client_deadline_shorter_than_the_pool_total_wins():
         await drain(backend(stream, first=1.0, idle=1.0, total=60), budget_s=0.5)
     assert info.value.status == 504 and "did not finish" in info.value.message
     assert stream.cancelled
+
+
+class ContextRecordingHandle(FakeHandle):
+    """Records, for each call, the Serve request context it was made in: Serve makes a call
+    the child of that request, and cancels it with the request (``_on_request_cancelled``)."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeStream([0.0]))
+        self.abandoned_usage = self
+        self.made_in: list[str | None] = []
+
+    def remote(self, *args, **kwargs):
+        from ray.serve import context
+
+        made_in = context._serve_request_context.get()
+        self.made_in.append(made_in and made_in._internal_request_id)
+        if "replica_id" in kwargs:  # the follow-up call: answered at once
+            done = asyncio.get_running_loop().create_future()
+            done.set_result({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
+            return done
+        return self._fake
+
+
+async def test_asking_what_an_abandoned_stream_cost_is_not_a_child_of_the_cancelled_request():
+    """The gateway asks the replica what a stream cost right as Serve cancels the request whose
+    client left; made as that request's child, Serve cancelled the question too and the tenant
+    was charged an estimate (the books drill: 10 of 47 abandoned streams). The stream itself is
+    the request's child (cancelled with it: the replica aborts); the question is nobody's."""
+    from ray.serve import context
+
+    handle = ContextRecordingHandle()
+    pool = PoolBackend("p", handle, Timeouts(1, 1, 1, 5))
+    pool.bridge.replica_ids = frozenset({"rep-1"})
+    context._serve_request_context.set(context._RequestContext(_internal_request_id="req-9"))
+    await drain(pool)
+    usage = await pool.abandoned_usage("r", "rep-1")
+    assert usage == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert handle.made_in == ["req-9", None]
+    assert context._serve_request_context.get()._internal_request_id == "req-9"  # left as it was
