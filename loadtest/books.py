@@ -46,7 +46,7 @@ if any claim fails:
    or given up (every refund applied), no usage queued, no lease in its local share.
 
 Writes ``<out>.json`` (config, faults, windows, claims, traffic) and ``<out>.md`` (the tables).
-``tests/e2e/test_books.py`` runs ``books()`` in its quick form inside the e2e session's Ray.
+CI runs its quick form with ``--check`` (``scripts/doc_commands.py``), in a Ray of its own.
 """
 
 from __future__ import annotations

@@ -678,11 +678,10 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         "for a fault: pytest -m slow's tests/e2e/test_soak.py runs soak() with every fault kind",
     ),
     "python -m loadtest.books": quick(
-        "{python} -m loadtest.books --quick --out {tmp}/books",
-        timeout=240,
+        "{python} -m loadtest.books --quick --check --out {tmp}/books",
+        timeout=300,
         note="the CLI end to end (its own Ray, Redis, graph, claims, outputs): a minute of "
-        "traffic, each fault once. Without --check while its first claim fails (abandoned streams "
-        "charged an estimate: docs/benchmarks.md, the books drill); add it back with the fix",
+        "traffic, each fault once; --check exits 1 on a failed claim",
     ),
     # -- against one `serve run configs/local.yaml` that --run starts for the group ------------
     "curl /v1/chat/completions": quick(

@@ -1,6 +1,6 @@
 """The books drill's judging, without Ray: the fault plan, the windows, the documented budget
-bound, and claim 1's arithmetic (``loadtest/books.py``; the drill itself runs in
-``tests/e2e/test_books.py``)."""
+bound, and claim 1's arithmetic (``loadtest/books.py``; CI runs the drill itself,
+``python -m loadtest.books --quick --check``)."""
 
 from __future__ import annotations
 
