@@ -4,7 +4,7 @@ With ``RAY_SERVE_ENABLE_HA_PROXY=1``, Serve 2.60 runs HAProxy at ``http_options`
 :8000: it sends requests straight to the gateway replicas' own ports), and runs
 ``$RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...`` on every (re)start. Pointed at this program
 (``configs/local.yaml``, ``configs/gke.yaml``), it rewrites CONFIG and then runs the real binary
-with the same arguments. Two rewrites, neither of which Ray has a setting for:
+with the same arguments. Three rewrites, none of which Ray has a setting for:
 
 - **Serve's control headers are not the clients'** (``closed_to_clients``). Serve's HTTP path
   (its proxy, and a replica's own port under direct ingress) reads a few request headers for
@@ -16,6 +16,13 @@ with the same arguments. Two rewrites, neither of which Ray has a setting for:
   first four, and an ``x-request-id`` that is not one id of the shape Forge keeps
   (``serve_app/stages/request_id.py``); Serve then mints its own id, so the id a client sees
   back is the one Forge logs.
+- **The admin routes off the clients' port** (``admin_listener``). With
+  ``FORGE_ADMIN_PORT`` set (``configs/gke.yaml``), the client-facing frontend answers only the
+  API's paths (``CLIENT_PATHS``: ``/v1/...`` and the health checks) and a 404 in Forge's error
+  shape for anything else (``/admin/*``, fault injection, ``/docs``, ``/openapi.json``); a copy
+  of that frontend, with the same routes and header rules,
+  listens on the admin port for everything. The NetworkPolicy admits operators alone to it
+  (docs/listeners.md). Unset (a laptop), both stay on the one loopback front.
 - **Side listeners no wider than the front** (``on_loopback``). Ray renders the stats
   (``bind *:8404``) and Prometheus (``bind :9101``) listeners with no host, so they listen on
   every interface, and its admin socket with ``mode 666``. Where the front is on loopback (a
@@ -52,13 +59,23 @@ _BIND = re.compile(r"^([ \t]+)bind[ \t]+(\S+)", re.MULTILINE)
 MARK = "# forge-haproxy: Serve's control headers"
 
 
-def _front_bind(config: str) -> re.Match[str] | None:
-    """The bind line of the client-facing frontend (Serve names it ``http_frontend``)."""
+def _frontend_section(config: str) -> tuple[int, int]:
+    """Where the client-facing frontend's section (Serve names it ``http_frontend``) starts and
+    ends in ``config``."""
     frontend = _FRONTEND.search(config)
     if frontend is None:
-        return None
+        raise ValueError("no 'frontend http_frontend' in the HAProxy config Serve rendered")
     end = _SECTION_END.search(config, frontend.end() + 1)
-    return _BIND.search(config, frontend.end(), end.start() if end else len(config))
+    return frontend.start(), end.start() if end else len(config)
+
+
+def _front_bind(config: str) -> re.Match[str] | None:
+    """The bind line of the client-facing frontend."""
+    try:
+        start, end = _frontend_section(config)
+    except ValueError:
+        return None
+    return _BIND.search(config, start, end)
 
 
 def _either_separator(name: str) -> str:
@@ -104,6 +121,77 @@ def closed_to_clients(config: str, environ: Mapping[str, str] | None = None) -> 
     return f"{config[:line_end]}\n{indent}{MARK}{rules}{config[line_end:]}"
 
 
+# -- the admin listener -------------------------------------------------------------------
+
+ADMIN_PORT_SETTING = "FORGE_ADMIN_PORT"
+ADMIN_FRONTEND = "forge_admin"
+# What a client may ask for on the clients' front; the gateway's other paths (serve_app/admin)
+# are the operator's. A new client route lands under /v1/, so this list rarely changes.
+CLIENT_PREFIXES = ("/v1/",)
+CLIENT_PATHS = ("/healthz", "/readyz", "/-/healthz", "/-/routes")
+# Judged on the raw path, and an allow-list for that reason: uvicorn percent-decodes the path
+# and Starlette routes it as it is, without folding dot segments or doubled slashes, so a raw
+# path under /v1/ stays under /v1/ ("/v1/../admin/status" is the gateway's 404), and any other
+# spelling of an operator path ("/%61dmin", "//admin") is not on the list. (HAProxy 2.8's
+# normalize-uri would be a deny-list's prerequisite, and is still experimental there.)
+NOT_HERE = (
+    '{"error": {"message": "No such route on this listener: it serves the API (/v1/...).", '
+    '"type": "invalid_request_error", "code": "not_found"}}'
+)
+
+
+def _admin_port(environ: Mapping[str, str]) -> int | None:
+    value = environ.get(ADMIN_PORT_SETTING, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"{ADMIN_PORT_SETTING}={value!r} is not a TCP port")
+    return int(value)
+
+
+def client_path_rules() -> list[str]:
+    """The ``http-request`` rules that keep the clients' front to the API's paths."""
+    quoted = NOT_HERE.replace("\\", "\\\\").replace('"', '\\"')
+    allowed = f"{{ path_beg {' '.join(CLIENT_PREFIXES)} }} or {{ path {' '.join(CLIENT_PATHS)} }}"
+    return [
+        f'http-request return status 404 content-type application/json string "{quoted}"'
+        f" unless {allowed}"
+    ]
+
+
+def admin_listener(config: str, environ: Mapping[str, str] | None = None) -> str:
+    """``config`` with the admin routes moved to their own frontend, if a port is set.
+
+    Raises ``ValueError`` on a port that is no port or is the clients' own: HAProxy then does
+    not start, rather than start with the admin routes on the clients' front.
+    """
+    environ = os.environ if environ is None else environ
+    port = _admin_port(environ)
+    if port is None or f"frontend {ADMIN_FRONTEND}" in config:
+        return config
+    start, end = _frontend_section(config)
+    section = config[start:end]
+    bind = _BIND.search(section)
+    if bind is None:
+        raise ValueError("'frontend http_frontend' has no bind line")
+    host, _, front_port = bind.group(2).rpartition(":")
+    if front_port == str(port):
+        raise ValueError(f"{ADMIN_PORT_SETTING}={port} is the clients' own port")
+    line_end = section.find("\n", bind.end())
+    line_end = len(section) if line_end == -1 else line_end
+    indent = bind.group(1)
+    admin = (
+        section[: bind.start(2)].replace("frontend http_frontend", f"frontend {ADMIN_FRONTEND}", 1)
+        + f"{host}:{port}"
+        + section[bind.end(2) :]
+    )
+    rules = "".join(f"\n{indent}{rule}" for rule in client_path_rules())
+    clients = section[:line_end] + rules + section[line_end:]
+    if not clients.endswith("\n"):
+        clients += "\n"
+    return config[:start] + clients + admin + config[end:]
+
+
 # -- listeners --------------------------------------------------------------------------------
 
 _HOSTLESS_BIND = re.compile(r"^(\s*bind\s+)\*?:(\d+)(?=\s|$)", re.MULTILINE)
@@ -138,7 +226,7 @@ def on_loopback(config: str) -> str:
 
 def rewrite(config: str, environ: Mapping[str, str] | None = None) -> str:
     """Everything ``forge-haproxy`` changes in the config Serve rendered."""
-    return on_loopback(closed_to_clients(config, environ))
+    return on_loopback(admin_listener(closed_to_clients(config, environ), environ))
 
 
 # -- the program ------------------------------------------------------------------------------

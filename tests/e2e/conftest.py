@@ -9,13 +9,17 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from loadtest import fairness, inprocess
+from serve_app.replica import admin as replica_admin
+from serve_app.tools import haproxy_loopback
 from tests.polling import eventually
+from tests.tools import forge_haproxy
 
 APP = "forge"
 ALPHA_KEY = "sk-test-alpha"
@@ -313,6 +317,21 @@ def forge_url(redis_server, metrics_port):
     yield url
     # No serve.shutdown(): direct-ingress replicas drain for 30 s; the session is over anyway.
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def split_fronts(forge_url, tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """Forge's HAProxy as configs/gke.yaml runs it, with an admin port
+    (``FORGE_ADMIN_PORT``): (the clients' URL, the operator's)."""
+    replicas = [urlsplit(url) for url in replica_admin.direct_ingress_urls(APP)]
+    if not replicas:
+        pytest.skip("direct ingress is off")
+    servers = [(url.hostname, url.port) for url in replicas]
+    port = forge_haproxy.free_port()
+    environ = {haproxy_loopback.ADMIN_PORT_SETTING: str(port)}
+    directory = tmp_path_factory.mktemp("haproxy-split")
+    with forge_haproxy.running(directory, servers, environ=environ) as url:
+        yield url, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

@@ -248,6 +248,40 @@ def test_an_anonymous_body_over_the_limit_on_an_admin_route_is_refused(front):
     assert_openai_error(answer, answer.status)
 
 
+# -- the operator's routes, off the clients' listener ------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/admin/status", "/openapi.json", "/docs"])
+def test_with_an_admin_port_the_clients_front_does_not_serve_the_operators_routes(
+    split_fronts, path
+):
+    clients, operator = split_fronts
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    assert_openai_error(httpx.get(clients + path, headers=admin, timeout=30), 404, "not_found")
+    assert httpx.get(operator + path, headers=admin, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/../admin/status", "/v1/%2e%2e/admin/status", "/v1//admin/status"]
+)
+def test_a_path_under_v1_that_spells_an_operator_route_is_the_gateways_404(split_fronts, path):
+    """HAProxy judges the raw path; the gateway routes it as it is, without folding it."""
+    clients, _ = split_fronts
+    head = request_head("GET", path, key=ADMIN_KEY)
+    assert_openai_error(exchange(clients, head), 404, "not_found")
+
+
+def test_with_an_admin_port_the_clients_front_serves_the_api(split_fronts):
+    clients, _ = split_fronts
+    answer = httpx.post(
+        f"{clients}/v1/chat/completions",
+        json={"model": "forge-sim", "messages": CHAT, "max_tokens": 2},
+        headers={"authorization": f"Bearer {ALPHA_KEY}"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+
+
 # -- bodies that are not JSON the gateway can read ---------------------------------------------
 
 

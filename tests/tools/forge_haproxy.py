@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 PROGRAM = "serve_app.tools.haproxy_loopback"
@@ -77,9 +77,14 @@ def render_serve_config(
 
 @contextlib.contextmanager
 def running(
-    directory: Path, servers: Sequence[tuple[str, int]], *, ready_s: float = 15
+    directory: Path,
+    servers: Sequence[tuple[str, int]],
+    *,
+    ready_s: float = 15,
+    environ: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
-    """Forge's HAProxy on 127.0.0.1 in front of ``servers``: its URL while it runs."""
+    """Forge's HAProxy on 127.0.0.1 in front of ``servers``: its URL while it runs.
+    ``environ``: settings for ``forge-haproxy`` on top of this process's environment."""
     front_port = free_port()
     path = render_serve_config(
         directory,
@@ -91,6 +96,7 @@ def running(
     )
     log = (directory / "haproxy.log").open("wb")
     env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_HAPROXY_BINARY_PATH"}
+    env.update(environ or {})
     process = subprocess.Popen(
         [sys.executable, "-m", PROGRAM, "-db", "-f", str(path)],
         stdout=log,

@@ -1,5 +1,6 @@
-"""forge-haproxy: Serve's control headers never reach Serve from a client, and HAProxy's side
-listeners are no wider than its front.
+"""forge-haproxy: Serve's control headers never reach Serve from a client, the operator's routes
+are not on the clients' front when an admin port is set, and HAProxy's side listeners are no
+wider than its front.
 
 The rules are checked on the config Ray 2.60's own renderer writes (``forge_haproxy.py``), by
 HAProxy itself (``haproxy -c``), and by running it, through ``forge-haproxy``, in front of a
@@ -27,8 +28,10 @@ from ray.serve._private import haproxy_templates
 from serve_app.stages import request_id
 from serve_app.tools import haproxy_loopback
 from serve_app.tools.haproxy_loopback import (
+    ADMIN_PORT_SETTING,
     MARK,
     _config_path,
+    admin_listener,
     closed_to_clients,
     on_loopback,
     rewrite,
@@ -118,10 +121,12 @@ def test_the_rules_come_first_in_the_clients_frontend_of_serves_own_config(tmp_p
     assert rewritten.count(MARK) == 1 and rewrite(rewritten) == rewritten
 
 
+@pytest.mark.parametrize("admin_port", [None, 8001], ids=["one-front", "admin-port"])
 @pytest.mark.parametrize("front_host", ["127.0.0.1", "0.0.0.0"])
-def test_haproxy_accepts_the_rewritten_config(tmp_path, front_host):
+def test_haproxy_accepts_the_rewritten_config(tmp_path, front_host, admin_port):
     path = tmp_path / "rewritten.cfg"
-    path.write_text(rewrite(_serve_config(tmp_path, front_host)))
+    environ = {ADMIN_PORT_SETTING: str(admin_port)} if admin_port else {}
+    path.write_text(rewrite(_serve_config(tmp_path, front_host), environ))
     checked = subprocess.run(
         [haproxy_loopback._real_haproxy(), "-c", "-f", str(path)],
         capture_output=True,
@@ -130,6 +135,29 @@ def test_haproxy_accepts_the_rewritten_config(tmp_path, front_host):
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "ALERT" not in checked.stdout + checked.stderr
+
+
+# -- the admin listener -------------------------------------------------------------------
+
+
+def test_an_admin_port_is_a_second_frontend_beside_the_clients(tmp_path):
+    config = _serve_config(tmp_path, "0.0.0.0")
+    rewritten = rewrite(config, {ADMIN_PORT_SETTING: "8001"})
+    assert _binds(rewritten) == [":9101", "*:8000", "*:8001", "*:8404"]
+    assert rewrite(rewritten, {ADMIN_PORT_SETTING: "8001"}) == rewritten  # a reload
+    # The copy keeps Serve's routes and the header rules; the clients' front gains the path rule.
+    operator = rewritten.split("frontend forge_admin\n", 1)[1].split("\nbackend ", 1)[0]
+    assert MARK in operator and "use_backend forge if is_forge" in operator
+    assert "return status 404" not in operator
+    assert "unless { path_beg /v1/ }" in "\n".join(_frontend(rewritten))
+    assert _binds(rewrite(config, {})) == [":9101", "*:8000", "*:8404"]  # unset: one front
+
+
+@pytest.mark.parametrize("value", ["http", "0", "70000", "8000"])
+def test_an_admin_port_that_is_no_port_or_the_clients_is_refused(tmp_path, value):
+    config = _serve_config(tmp_path, "0.0.0.0")
+    with pytest.raises(ValueError, match=ADMIN_PORT_SETTING):
+        admin_listener(config, {ADMIN_PORT_SETTING: value})
 
 
 def test_a_config_without_the_clients_frontend_is_refused_not_started_open():
@@ -283,3 +311,75 @@ def test_a_request_id_forge_keeps_arrives(front, value):
 )
 def test_any_other_request_id_is_deleted(front, headers):
     assert arrived(front, *headers) == []
+
+
+# -- the operator's routes, refused on the clients' front ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> Iterator[tuple[int, int]]:
+    """Forge's HAProxy with an admin port, in front of the echo server: (clients', operator's)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    admin_port = forge_haproxy.free_port()
+    try:
+        directory = tmp_path_factory.mktemp("forge-haproxy-split")
+        environ = {ADMIN_PORT_SETTING: str(admin_port)}
+        with forge_haproxy.running(directory, [server.server_address], environ=environ) as url:
+            yield int(url.rsplit(":", 1)[1]), admin_port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def answer(port: int, target: bytes, method: bytes = b"GET") -> tuple[int, bytes]:
+    """The status and body HAProxy on ``port`` gives for a request line's raw ``target``."""
+    head = method + b" " + target + b" HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, response.read()
+
+
+ADMIN_TARGETS = [
+    b"/admin/status",
+    b"/admin/faults",
+    b"/admin/breakers/reset",
+    b"/admin/usage?tenant=a",
+    b"/docs",
+    b"/openapi.json",
+    b"/%61dmin/status",  # uvicorn decodes it to /admin/status
+    b"//admin/status",
+    b"/./admin/status",
+    b"http://x/admin/status",  # absolute form
+    b"/ADMIN/status",
+    b"/v1",
+]
+# Under /v1/ in any spelling, a path is the API's: the gateway routes "/v1/../admin/status" as
+# it is, to its own 404 (tests/e2e/test_hostile.py sends these through to it).
+
+
+@pytest.mark.parametrize("target", ADMIN_TARGETS)
+def test_the_clients_front_refuses_the_operators_routes_in_forges_error_shape(split, target):
+    clients, _ = split
+    for method in (b"GET", b"POST"):
+        status, body = answer(clients, target, method)
+        assert status == 404, body
+        error = json.loads(body)["error"]
+        assert error["code"] == "not_found" and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "target", [b"/v1/models", b"/v1/chat/completions", b"/healthz", b"/readyz", b"/v1/usage"]
+)
+def test_the_clients_front_passes_the_api(split, target):
+    clients, _ = split
+    assert answer(clients, target)[0] == 200
+
+
+@pytest.mark.parametrize("target", [b"/admin/status", b"/docs", b"/openapi.json", b"/v1/models"])
+def test_the_admin_port_passes_everything_with_serves_headers_still_deleted(split, target):
+    _, operator = split
+    assert answer(operator, target)[0] == 200
+    assert arrived(f"http://127.0.0.1:{operator}", b"X-Request-Timeout-Seconds: 0") == []
