@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default=env("FORGE_BASE_URL", "http://127.0.0.1:8000"))
     p.add_argument("--key", default=env("FORGE_EVAL_KEY"), help="the gate's tenant key")
     p.add_argument("--admin-key", default=env("FORGE_EVAL_ADMIN_KEY"))
+    p.add_argument(
+        "--admin-url",
+        default=env("FORGE_ADMIN_URL"),
+        help="the admin listener (/admin/*), where it is not the base URL",
+    )
     p.add_argument("--flood-key", default=env("FORGE_EVAL_FLOOD_KEY"), help="a tenant to flood")
     p.add_argument(
         "--quota-key", default=env("FORGE_EVAL_QUOTA_KEY"), help="a tenant with a small budget"
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         key=args.key,
         profile=Profile.load(args.profile),
         admin_key=args.admin_key,
+        admin_url=args.admin_url,
         flood_key=args.flood_key,
         quota_key=args.quota_key,
         redis_url=args.redis_url,

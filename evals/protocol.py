@@ -6,7 +6,7 @@ import uuid
 
 import httpx
 
-from evals.gate import Check, Served, expect
+from evals.gate import Check, Served, Skipped, expect
 from evals.target import Target
 
 
@@ -42,9 +42,19 @@ async def wrong_key_is_401(target: Target, served: Served) -> None:
 
 
 async def tenant_on_admin_is_403(target: Target, served: Served) -> None:
-    async with target.http() as client:
+    async with target.http(admin=True) as client:
         response = await client.get("/admin/status")
     _openai_error(response, 403, "a tenant's key on /admin/status")
+
+
+async def admin_not_on_the_clients_listener(target: Target, served: Served) -> str:
+    if not target.admin_listener:
+        raise Skipped("the operator's routes share the base URL (no --admin-url)")
+    async with target.http() as client:
+        for path in ("/admin/status", "/admin/faults", "/openapi.json"):
+            response = await client.get(path)
+            _openai_error(response, 404, f"{path} on the clients' listener")
+    return "/admin/*, /openapi.json: 404 on the clients' listener"
 
 
 async def request_id_echoed(target: Target, served: Served) -> None:
@@ -104,6 +114,7 @@ def checks() -> list[Check]:
         Check("protocol:no-key-401", no_key_is_401, "protocol"),
         Check("protocol:wrong-key-401", wrong_key_is_401, "protocol"),
         Check("protocol:tenant-on-admin-403", tenant_on_admin_is_403, "protocol"),
+        Check("protocol:admin-off-clients-port", admin_not_on_the_clients_listener, "protocol"),
         Check("protocol:request-id-echoed", request_id_echoed, "protocol"),
         Check("protocol:oversized-body-413", oversized_body_is_413, "protocol"),
         Check("protocol:bad-request-400", bad_requests_are_400s, "protocol"),

@@ -16,6 +16,9 @@ class Target:
     key: str  # the gate's own tenant (the victim in the isolation drill)
     profile: Profile
     admin_key: str | None = None
+    # Where the operator's routes are (/admin/*): the admin listener on a cluster
+    # (FORGE_ADMIN_PORT, docs/listeners.md); None: the base URL, as on a laptop.
+    admin_url: str | None = None
     flood_key: str | None = None  # a second tenant that floods in the isolation drill
     quota_key: str | None = None  # a tenant with a small budget (default: the flood key)
     redis_url: str | None = None  # the gateway's Redis, for the Redis-loss drill
@@ -32,13 +35,25 @@ class Target:
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
+        self.admin_url = (self.admin_url or self.base_url).rstrip("/")
 
-    def http(self, key: str | None = "default", **kwargs) -> httpx.AsyncClient:
-        """A client on the base URL with ``key`` (the gate's own by default; None: no key)."""
+    @property
+    def admin_listener(self) -> bool:
+        """Whether the operator's routes are on a listener of their own."""
+        return self.admin_url != self.base_url
+
+    def http(
+        self, key: str | None = "default", *, admin: bool = False, **kwargs
+    ) -> httpx.AsyncClient:
+        """A client on the base URL (``admin``: the admin URL) with ``key`` (the gate's own by
+        default; None: no key)."""
         key = self.key if key == "default" else key
         headers = {"authorization": f"Bearer {key}"} if key else {}
         return httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=self.timeout_s, **kwargs
+            base_url=self.admin_url if admin else self.base_url,
+            headers=headers,
+            timeout=self.timeout_s,
+            **kwargs,
         )
 
     def openai(self, key: str | None = None):
@@ -57,7 +72,7 @@ class Target:
         return self.admin_key
 
     async def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
-        async with self.http(self.need_admin()) as client:
+        async with self.http(self.need_admin(), admin=True) as client:
             response = await client.request(method, path, **kwargs)
         if response.status_code != 200:
             raise Failed(f"{method} {path}: {response.status_code} {response.text[:200]}")

@@ -27,7 +27,11 @@ PROFILE = {
         "streams": [{"name": "s", "rate": 4, "prompt_tokens": 64, "max_tokens": 16}],
     },
     "slo": {"ttft_p95_s": 5.0, "tpot_p95_s": 1.0},
-    "isolation": {"flood_rate": 20, "flood_s": 4, "victim_requests": 5, "victim_total_s": 5.0},
+    # The victim's bound is generous on purpose: on two cores shared with the flood's own client
+    # and the whole graph a 16-token victim took up to 6.2 s (load average 18, CI). What the
+    # check is for here, the victim served while the flood is shed with 429s, does not need a
+    # tight bound; the latency claim is a benchmark (docs/benchmarks.md, fair admission).
+    "isolation": {"flood_rate": 20, "flood_s": 4, "victim_requests": 5, "victim_total_s": 15.0},
     "failover": {"rate": 4, "fault_after_s": 1, "fault_for_s": 4, "home_within_s": 10},
     "oversize_bytes": 256 * 1024,  # the session's gateways take 64 KiB
     "disconnect_streams": 3,
@@ -76,6 +80,19 @@ async def test_the_gate_passes_a_healthy_forge_and_drills_redis_loss(forge_url, 
     else:
         assert redis_loss.status == "PASS", printed
         assert "store errors counted" in redis_loss.detail
+
+
+async def test_behind_an_admin_listener_the_gate_checks_the_admin_routes_are_off_the_clients(
+    split_fronts,
+):
+    clients, operator = split_fronts
+    target = gate_target(clients, None, admin_url=operator)
+    outcomes, printed = await run_gate(target, only=("protocol:",))
+    assert gate.verdict(outcomes), printed
+    named = by_name(outcomes)
+    assert named["protocol:admin-off-clients-port"].status == "PASS", printed
+    assert named["protocol:tenant-on-admin-403"].status == "PASS", printed
+    assert target.pool == "primary"  # found through the admin listener's /admin/status
 
 
 async def test_with_the_primary_failing_the_fallback_answers_every_check(forge_url, faults):
