@@ -280,6 +280,7 @@ def test_each_values_file_renders_every_object(rendered):
         "PodMonitor",
         "PrometheusRule",
         "RayService",
+        "Service",
         "ServiceAccount",
     ]
     for doc in rendered.docs:
@@ -860,15 +861,17 @@ def test_workload_identity(renders):
 # --- network policy --------------------------------------------------------------------------
 
 SERVE_PORT = 8000
+ADMIN_PORT = 8001  # FORGE_ADMIN_PORT in configs/gke.yaml
 OPERATOR_PORTS = {8265, 52365}
 METRICS_PORTS = {8080, 44217, 44227, 9101}
 
 
 def exposure_problems(
-    policy: dict, rayservice: dict, operator_ns: str, monitoring_ns: str
+    policy: dict, rayservice: dict, operator_ns: str, monitoring_ns: str, admin_from: list[dict]
 ) -> list[str]:
-    """Only Serve's entry point from anywhere; Ray's ports between the release's Ray pods; the
-    dashboard from the KubeRay operator; metrics from the monitoring namespace."""
+    """Only Serve's entry point from anywhere; the admin port from ``admin_from``; Ray's ports
+    between the release's Ray pods; the dashboard from the KubeRay operator; metrics from the
+    monitoring namespace."""
     problems = []
     spec = policy["spec"]
     selector = spec["podSelector"]["matchLabels"]
@@ -897,6 +900,9 @@ def exposure_problems(
                 allowed = {operator_ns: OPERATOR_PORTS, monitoring_ns: METRICS_PORTS}.get(namespace)
                 if allowed is None or not ports or not ports <= allowed:
                     problems.append(f"namespace {namespace}: {sorted(ports) or 'every port'}")
+            elif peer in admin_from:
+                if ports != {ADMIN_PORT}:
+                    problems.append(f"admins {peer}: {sorted(ports) or 'every port'}")
             elif peer.get("podSelector", {}).get("matchLabels") != selector:
                 problems.append(f"pods {peer.get('podSelector')}: {sorted(ports) or 'every port'}")
     return problems
@@ -909,6 +915,7 @@ def policy_problems(render: Render, policy: dict | None = None) -> list[str]:
         render.one("RayService"),
         values["operatorNamespace"],
         values["monitoringNamespace"],
+        values["adminFrom"],
     )
 
 
@@ -939,8 +946,10 @@ EVERYONE = "anywhere"
 RAY_PODS = "the release's Ray pods"
 OPERATOR = "the KubeRay operator"
 PROMETHEUS = "Prometheus"
+ADMINS = "an admin pod"  # networkPolicy.adminFrom: the eval gate's Job, a toolbox pod
 PORT_TABLE: dict[str, tuple[Sequence[int], frozenset[str]]] = {
     "Serve (HAProxy, Serve's proxy)": (range(8000, 8001), frozenset({EVERYONE})),
+    "admin (HAProxy's admin frontend)": (range(8001, 8002), frozenset({RAY_PODS, ADMINS})),
     "GCS": (range(6379, 6380), frozenset({RAY_PODS})),
     "Ray client": (range(10001, 10002), frozenset({RAY_PODS})),
     "workers' gRPC": (range(10002, 20000), frozenset({RAY_PODS})),
@@ -987,6 +996,7 @@ def peers(render: Render) -> dict[str, Peer]:
         PROMETHEUS: Peer(
             "10.8.2.3", values["monitoringNamespace"], (("app.kubernetes.io/name", "prometheus"),)
         ),
+        ADMINS: Peer("10.8.0.12", NAMESPACE, (("forge.dev/admin", "true"),)),
     }
 
 
@@ -1092,6 +1102,8 @@ def test_port_table_names_every_port_the_ray_pods_declare(rendered):
         ),
         ("gpu pods unselected", "gpu-t4 pods are not selected: every port open"),
         ("prometheus locked out", "Ray metrics (8080): refuses Prometheus"),
+        ("admin to everyone", "admin (HAProxy's admin frontend) (8001): admits anywhere"),
+        ("admins locked out", "admin (HAProxy's admin frontend) (8001): refuses an admin pod"),
     ],
 )
 def test_admission_check_catches(renders, breakage, problem):
@@ -1104,6 +1116,10 @@ def test_admission_check_catches(renders, breakage, problem):
         ingress[1]["from"][0]["podSelector"] = {}
     elif breakage == "dashboard to everyone in the cluster":
         ingress.append({"from": [{"namespaceSelector": {}}], "ports": [{"port": 8265}]})
+    elif breakage == "admin to everyone":
+        ingress[0]["ports"].append({"port": ADMIN_PORT, "protocol": "TCP"})
+    elif breakage == "admins locked out":
+        del ingress[-1]
     elif breakage == "gpu pods unselected":
         policy["spec"]["podSelector"] = {
             "matchLabels": {"app.kubernetes.io/component": "ray-worker-cpu"}
@@ -1111,6 +1127,67 @@ def test_admission_check_catches(renders, breakage, problem):
     else:
         ingress[3]["ports"] = [p for p in ingress[3]["ports"] if p["port"] != 8080]
     assert problem in admission_problems(render, policy)
+
+
+# --- the admin port --------------------------------------------------------------------------
+
+
+def test_the_clients_service_cannot_reach_the_admin_routes(rendered, tmp_path):
+    """The Serve Service publishes :8000 alone; forge-haproxy, with the env every Ray container
+    gets, answers the admin routes there with a 404 and serves them on the admin port, which the
+    admin Service (inside the cluster) publishes and each Ray pod declares."""
+    from serve_app.tools import haproxy_loopback
+    from tests.tools import forge_haproxy
+
+    rayservice = rendered.one("RayService")
+    serve_ports = rayservice["spec"]["serveService"]["spec"]["ports"]
+    assert [p["port"] for p in serve_ports] == [SERVE_PORT]
+    config = serve_config(rendered)
+    env = config["controller_options"]["runtime_env"]["env_vars"]
+    assert int(env[haproxy_loopback.ADMIN_PORT_SETTING]) == ADMIN_PORT
+    for group, spec in pod_specs(rayservice).items():
+        container = ray_container(spec)
+        assert {"name": haproxy_loopback.ADMIN_PORT_SETTING, "value": str(ADMIN_PORT)} in container[
+            "env"
+        ], group
+        assert ADMIN_PORT in {p["containerPort"] for p in container["ports"]}, group
+    admin = rendered.one("Service")
+    assert admin["spec"]["type"] == "ClusterIP"
+    assert [(p["port"], p["targetPort"]) for p in admin["spec"]["ports"]] == [
+        (ADMIN_PORT, ADMIN_PORT)
+    ]
+    assert admin["spec"]["selector"]["ray.io/serve"] == "true"
+    ray_labels = groups(rayservice)["cpu"]["template"]["metadata"]["labels"]
+    assert {k: v for k, v in admin["spec"]["selector"].items() if k != "ray.io/serve"}.items() <= (
+        ray_labels.items()
+    )
+    http = config["http_options"]
+    served = forge_haproxy.render_serve_config(
+        tmp_path,
+        front_host=http["host"],
+        front_port=http["port"],
+        servers=[("10.8.0.5", 30000)],
+        stats_port=8404,
+        metrics_port=9101,
+    ).read_text()
+    rewritten = haproxy_loopback.rewrite(served, env)
+    clients = rewritten.split("frontend http_frontend\n", 1)[1].split("\nfrontend ", 1)[0]
+    assert f"bind *:{SERVE_PORT}" in clients
+    assert haproxy_loopback.client_path_rules()[0] in clients
+    admin_front = rewritten.split(f"frontend {haproxy_loopback.ADMIN_FRONTEND}\n", 1)[1]
+    assert admin_front.lstrip().startswith(f"bind *:{ADMIN_PORT}")
+
+
+def test_a_serve_config_without_an_admin_port_is_refused(tools: Tools, tmp_path):
+    """The chart fails rather than render a cluster whose :8000 serves the admin routes."""
+    chart = tmp_path / "forge"
+    shutil.copytree(CHART, chart, symlinks=False)
+    config = yaml.safe_load((chart / "files" / "serve-config.yaml").read_text())
+    del config["controller_options"]["runtime_env"]["env_vars"]["FORGE_ADMIN_PORT"]
+    (chart / "files" / "serve-config.yaml").write_text(yaml.safe_dump(config))
+    cases = {"no-admin-port": values_of("production")}
+    (result,) = tools.python(RENDER, str(chart), RELEASE, NAMESPACE, json.dumps(cases)).values()
+    assert "FORGE_ADMIN_PORT" in parse_render(result).error
 
 
 # --- Ray's token -----------------------------------------------------------------------------
@@ -1220,7 +1297,7 @@ def test_monitoring_check_catches_a_drifted_rule_and_an_unscraped_group(renders)
 
 # --- kubernetes-validate and checkov ---------------------------------------------------------
 
-CORE_KINDS = {"ServiceAccount", "NetworkPolicy", "ConfigMap"}
+CORE_KINDS = {"ServiceAccount", "NetworkPolicy", "ConfigMap", "Service"}
 
 
 def write_docs(directory: Path, prefix: str, docs: list[dict]) -> list[Path]:

@@ -442,6 +442,24 @@ def test_the_eval_gate_is_a_postsync_hook_running_evals_with_keys_from_secrets()
         assert container["image"] == f"{image['repository']}:{image['tag']}", container["name"]
 
 
+def test_the_eval_gate_reaches_the_admin_routes_on_the_admin_port():
+    """The chart's release is `forge`: its admin Service is forge-admin, on configs/gke.yaml's
+    FORGE_ADMIN_PORT, admitting the pods networkPolicy.adminFrom names; the gate is one."""
+    pod = gate_job()["spec"]["template"]
+    (gate,) = pod["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gate["env"]}
+    serve = yaml.safe_load((ROOT / "configs" / "gke.yaml").read_text())
+    port = serve["controller_options"]["runtime_env"]["env_vars"]["FORGE_ADMIN_PORT"]
+    assert env["FORGE_ADMIN_URL"] == f"http://forge-admin:{port}"
+    values = yaml.safe_load((ROOT / "helm" / "forge" / "values.yaml").read_text())
+    labels = pod["metadata"]["labels"]
+    assert any(
+        peer.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items()
+        and "namespaceSelector" not in peer
+        for peer in values["networkPolicy"]["adminFrom"]
+    ), labels
+
+
 def test_the_health_checks_argo_needs_are_there():
     (patch,) = docs(CLUSTER / "argocd-cm-health.yaml")
     data = patch["data"]

@@ -115,6 +115,23 @@ applied to the application named serveConfig.appName, as YAML. Everything else i
 {{- toYaml $config }}
 {{- end }}
 
+{{/*
+The admin port: FORGE_ADMIN_PORT of the serve config's controller_options, where forge-haproxy
+serves the operator's routes (/admin/*, fault injection, /docs, /openapi.json) while :8000
+answers them 404 (serve_app/tools/haproxy_loopback.py). Required: without it the admin routes
+would be on the clients' port. One source: the container ports, the admin Service and the
+NetworkPolicy take it from here.
+*/}}
+{{- define "forge.adminPort" -}}
+{{- $config := include "forge.serveConfig" . | fromYaml }}
+{{- $env := dig "controller_options" "runtime_env" "env_vars" dict $config }}
+{{- $port := required "the serve config sets no controller_options.runtime_env.env_vars.FORGE_ADMIN_PORT: the admin routes would be on the clients' :8000" (get $env "FORGE_ADMIN_PORT") }}
+{{- if or (eq (int $port) 8000) (lt (int $port) 1) (gt (int $port) 65535) }}
+{{- fail (printf "FORGE_ADMIN_PORT=%v: need a TCP port other than the clients' 8000" $port) }}
+{{- end }}
+{{- int $port }}
+{{- end }}
+
 {{/* The Forge application's `args`, from the rendered serve config, as YAML. */}}
 {{- define "forge.appArgs" -}}
 {{- $config := include "forge.serveConfig" . | fromYaml }}
