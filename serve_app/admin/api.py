@@ -150,6 +150,11 @@ class PoolStatus(BaseModel):
 class RefusedConfig(BaseModel):
     digest: str = Field(description="The refused user_config's digest.")
     error: str = Field(description="Why, with each bad field's path.")
+    started_from: str | None = Field(
+        None,
+        description="Set when this replica started while the target was bad: whose "
+        "configuration it serves instead (a running replica's).",
+    )
 
 
 class LiveConfigStatus(BaseModel):

@@ -87,6 +87,13 @@ class GatewayIngress(Gateway):
         )
         super().__init__(forge, parts)
 
+    async def served_by_a_peer(self) -> dict | None:
+        """A running replica's live change, through a handle to this deployment: Serve routes
+        the call to replicas that run, never to this one, which is still starting."""
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
+        return await handle.served_user_config.remote()
+
     def check_health(self) -> None:
         """Serve's health check (also part of start-up): a gateway with no tenant would answer
         every request 401, which is a configuration error, not a running service."""

@@ -4,11 +4,14 @@ and keep the pool schedulers and the breaker board on the settings this replica 
 Serve hands the gateway deployment's ``user_config`` to ``Gateway.reconfigure`` when a replica
 starts and whenever it changes. What may change, and how it merges over the application's args,
 is ``serve_app/config/live.py``; how the gateway swaps its own pipeline is ``Gateway.apply``.
-This module decides what happens around that: at start an invalid configuration fails the
-replica with each bad field's path (Serve shows it in ``serve status``); later it is refused,
-logged, counted (``forge_config_changes_total``) and shown in ``GET /admin/status``, and the
-replica keeps serving what it had (raising then would make Serve stop the replica and start one
-that fails the same way).
+This module decides what happens around that. A change to a running replica that does not
+apply is refused, logged, counted (``forge_config_changes_total``) and shown in ``GET
+/admin/status`` and ``/readyz``, and the replica keeps serving what it had (raising then would
+make Serve stop the replica and start one that fails the same way). A replica that starts while
+the target is bad (a scale-up, a replacement) starts from what a running replica serves (its
+``peers``), and says so the same way; with no running replica to ask (a first deploy), the
+invalid configuration fails the replica with each bad field's path (Serve shows it in ``serve
+status``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict
 
 from serve_app.admission.client import SchedulerClient
@@ -33,6 +36,11 @@ logger = logging.getLogger("ray.serve")
 
 SETTINGS_RESEND_S = 10.0  # a restarted scheduler or board catches up within this
 KEY_FILES_CHECK_S = 2.0  # a key removed from a mounted key file stops working within this
+PEER_WAIT_S = 5.0  # how long a starting replica waits for a running one's configuration
+
+# What a running replica of the deployment serves (its user_config), or None: no replica runs,
+# or none has applied one.
+Peers = Callable[[], Awaitable[dict | None]]
 
 
 class LiveUpdates:
@@ -46,10 +54,13 @@ class LiveUpdates:
         metrics: ForgeMetrics,
         schedulers: Mapping[str, SchedulerClient],
         breakers: BreakerClient,
+        peers: Peers | None = None,
     ) -> None:
         self._base, self._apply, self._metrics = base, apply, metrics
         self._schedulers, self._breakers = schedulers, breakers
+        self.peers = peers
         self.config = base  # what this replica serves now
+        self.user_config: dict | None = None  # the live change it serves, for a starting peer
         self._reconfigured = False
         self.status = {"digest": live_digest(base), "applied_at": time.time(), "refused": None}
         self._changed = asyncio.Event()
@@ -65,18 +76,51 @@ class LiveUpdates:
             self._apply(config)
         except Exception as err:  # a bad field (ConfigError), a key file unreadable or malformed
             if not self._reconfigured:
+                if await self._start_as_peers_serve(user_config, err):
+                    return
                 raise
             digest = settings_digest(user_config)
+            if (self.status["refused"] or {}).get("digest") == digest:
+                return  # Serve sent the refused target again (it does after a start): said once
             logger.error("live configuration %s refused, still serving %s: %s", digest, before, err)
             self._metrics.config_changes.inc(tags={"outcome": "refused"})
             self.status = {**self.status, "refused": {"digest": digest, "error": str(err)}}
             return
         self._reconfigured = True
-        self.config = config
+        self.config, self.user_config = config, user_config
         self.status = {"digest": live_digest(config), "applied_at": time.time(), "refused": None}
         self._changed.set()
         self._metrics.config_changes.inc(tags={"outcome": "applied"})
         logger.info("live configuration %s applied (was %s)", self.status["digest"], before)
+
+    async def _start_as_peers_serve(self, target: dict, err: Exception) -> bool:
+        """Serve what a running replica serves, with the target refused: whether that worked.
+        Starting would otherwise fail, and fail again on every retry, while the target stays."""
+        if self.peers is None:
+            return False
+        try:
+            served = await asyncio.wait_for(self.peers(), PEER_WAIT_S)
+            if served is None:
+                return False
+            config = apply_live(self._base, served)
+            self._apply(config)
+        except Exception as peer_err:  # none answers in time, or what it serves does not apply
+            logger.error("no running replica's configuration to start from: %r", peer_err)
+            return False
+        self._reconfigured = True
+        self.config, self.user_config = config, served
+        digest, target_digest = live_digest(config), settings_digest(target)
+        refused = {"digest": target_digest, "error": str(err), "started_from": "a running replica"}
+        self.status = {"digest": digest, "applied_at": time.time(), "refused": refused}
+        self._changed.set()
+        self._metrics.config_changes.inc(tags={"outcome": "refused"})
+        logger.error(
+            "live configuration %s refused at start-up; serving %s, a running replica's: %s",
+            target_digest,
+            digest,
+            err,
+        )
+        return True
 
     def start(self) -> None:
         """Push this replica's settings to the schedulers and the board from now on, and watch

@@ -70,7 +70,14 @@ class Gateway:
         self.lasting = build_lasting(config, parts)  # kept across live changes
         self.pipeline = self._build_pipeline(config, parts)
         # The args' configuration is the base a live change's sections go over.
-        self.live = LiveUpdates(config, self.apply, self.metrics, self.schedulers, self.breakers)
+        self.live = LiveUpdates(
+            config,
+            self.apply,
+            self.metrics,
+            self.schedulers,
+            self.breakers,
+            peers=self.served_by_a_peer,
+        )
 
     def _build_pipeline(self, config: ForgeConfig, parts: Collaborators) -> Pipeline:
         return build_pipeline(
@@ -87,6 +94,15 @@ class Gateway:
         """Serve calls this with the gateway deployment's ``user_config`` when a replica starts
         and whenever it changes (``serve deploy``), without replacing the replica."""
         await self.live.reconfigure(user_config)
+
+    async def served_user_config(self) -> dict | None:
+        """The live change this replica serves: what a replica starting on a bad target
+        serves instead (``LiveUpdates``, through a handle to this deployment)."""
+        return self.live.user_config
+
+    async def served_by_a_peer(self) -> dict | None:
+        """What another replica of this gateway serves; in one process there is none."""
+        return None
 
     def apply(self, config: ForgeConfig) -> None:
         """Serve ``config``'s tenants, keys, limits, admission and breaker settings from the

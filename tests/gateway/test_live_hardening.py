@@ -5,6 +5,7 @@ change to wait for. In process (``serve_app/local.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -102,3 +103,60 @@ async def test_a_live_change_that_fails_in_an_unexpected_way_is_a_refusal(gatewa
     assert gateway.live.refused
     assert gateway.config.tenants[0].weight == 2  # the last good configuration serves
     assert await status_of(gateway, KEY) == 200
+
+
+# -- a replica that starts while the target is bad ---------------------------------------------
+
+
+def _config(key_file):
+    return load_config(
+        {
+            "tenants": [{"name": "alpha"}],
+            "key_hashes_file": str(key_file),
+            "pools": [{"name": "primary", "model": MODEL}],
+        }
+    )
+
+
+GOOD = {"tenants": [{"name": "alpha", "weight": 2}]}
+BAD = {"tenants": [{"name": "alpha", "weight": -1}]}
+
+
+async def test_a_replica_starting_on_a_bad_target_serves_what_a_running_one_serves(key_file):
+    """A scale-up or a replacement while a refused change is Serve's target: the new replica
+    asks a running one (through the deployment's handle, under Serve) and serves that."""
+    running = build_local_gateway(_config(key_file))
+    await running.reconfigure(GOOD)
+    await running.reconfigure(BAD)  # refused by the running replica: it keeps GOOD
+    starting = build_local_gateway(_config(key_file))
+    starting.live.peers = running.served_user_config
+    async with starting.lifespan():
+        await starting.reconfigure(BAD)  # Serve's first call, at start-up
+        await starting.reconfigure(BAD)  # and again once the replica runs: still said so
+        assert starting.config.tenants[0].weight == 2
+        assert starting.live.user_config == GOOD
+        refused = starting.live.status["refused"]
+        assert refused["started_from"] == "a running replica" and "weight" in refused["error"]
+        assert (await readiness(starting))["config"] == "refused"
+        assert await status_of(starting, KEY) == 200
+        await starting.reconfigure({"tenants": [{"name": "alpha", "weight": 3}]})  # fixed
+        assert starting.config.tenants[0].weight == 3 and not starting.live.refused
+
+
+async def test_a_bad_target_with_no_running_replica_to_ask_fails_the_start(key_file, monkeypatch):
+    """A first deploy (nobody to ask, or nobody answering in time): the replica fails to start
+    with the bad field's path, as Serve shows it."""
+    monkeypatch.setattr(live, "PEER_WAIT_S", 0.05)
+
+    async def nobody_answers():
+        await asyncio.Event().wait()
+
+    async def none_applied():
+        return None
+
+    for peers in (None, none_applied, nobody_answers):
+        starting = build_local_gateway(_config(key_file))
+        starting.live.peers = peers
+        with pytest.raises(Exception, match="weight"):
+            await starting.reconfigure(BAD)
+        await starting.aclose()
