@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             fault("none")
     finally:
         print("stopping serve run ...", flush=True)
-        stop_graph(proc)
+        stop_graph(proc, drain=False)
     print(f"\nprimary up: {'PASS' if up else 'FAIL'}; primary down: {'PASS' if down else 'FAIL'}")
     return 0 if up and down else 1
 

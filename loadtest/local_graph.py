@@ -69,9 +69,15 @@ def session_pids(sid: int) -> list[int]:
     return [int(pid) for pid, session in rows if int(session) == sid and int(pid) != os.getpid()]
 
 
-def stop_graph(proc: subprocess.Popen) -> list[int]:
+def stop_graph(proc: subprocess.Popen, *, drain: bool = True) -> list[int]:
     """SIGINT, as a person at the terminal would: ``serve run`` shuts Serve and its own Ray
-    down. Then anything left in its session is killed by pid. Returns what had to be killed."""
+    down. Then anything left in its session is killed by pid. Returns what had to be killed.
+
+    ``drain=False``, for a drill that has its numbers: everything in the session is killed at
+    once. A drain would wait out Serve's hold on each gateway replica under direct ingress
+    (30 s, ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``) with no request left to finish."""
+    if not drain:
+        return _kill_session(proc)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT)
     try:
@@ -91,6 +97,25 @@ def stop_graph(proc: subprocess.Popen) -> list[int]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return left
+
+
+def _kill_session(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL to ``serve run`` and every process of its session, then until none is left
+    and :8000 is free for the next graph."""
+    killed = session_pids(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = session_pids(proc.pid)  # again: a raylet may have forked one meanwhile
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if not left and not port_answers(LOCAL_URL):
+            break
+        time.sleep(0.5)
+    return killed
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(LOCAL_URL, proc, log, 300)
             rows = asyncio.run(drill(args.phases, args.clients, args.warmup, workdir))
         finally:
-            stop_graph(proc)
+            stop_graph(proc, drain=False)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"clients": args.clients, "rows": rows}, indent=1))
     print(markdown(rows))

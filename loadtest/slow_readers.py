@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             url = LOCAL_URL + "/v1/chat/completions"
             run = asyncio.run(measure(url, settings, session=proc.pid))
         finally:
-            stop_graph(proc)
+            stop_graph(proc, drain=False)
     result = {
         **asdict(run),
         "host": {
