@@ -1190,6 +1190,39 @@ def test_a_serve_config_without_an_admin_port_is_refused(tools: Tools, tmp_path)
     assert "FORGE_ADMIN_PORT" in parse_render(result).error
 
 
+# --- the KV events' CURVE secret -------------------------------------------------------------
+
+
+def test_a_kv_aware_pool_takes_its_curve_secret_from_the_secret_in_every_ray_container(
+    tools: Tools, tmp_path
+):
+    """With secrets.kvCurveSecret named, each kv_aware pool's curve_secret_env comes from it,
+    in every group (Serve places pool and gateway replicas anywhere); unnamed, or with no
+    kv_aware pool (configs/gke.yaml as it is), there is no such variable."""
+    chart = tmp_path / "forge"
+    shutil.copytree(CHART, chart, symlinks=False)
+    config = yaml.safe_load((chart / "files" / "serve-config.yaml").read_text())
+    (primary,) = [a for a in config["applications"] if a["name"] == "forge-pool-primary"]
+    primary["args"]["pool"]["routing"] = {"policy": "kv_aware"}
+    (chart / "files" / "serve-config.yaml").write_text(yaml.safe_dump(config))
+    secret = {"name": "forge-kv-curve", "key": "secret"}
+    cases = {
+        "named": values_of("production", {"secrets": {"kvCurveSecret": secret}}),
+        "unnamed": values_of("production"),
+    }
+    out = tools.python(RENDER, str(chart), RELEASE, NAMESPACE, json.dumps(cases))
+    renders = {name: parse_render(result) for name, result in out.items()}
+    for name, render in renders.items():
+        assert render.error is None, render.error
+        for group, spec in pod_specs(render.one("RayService")).items():
+            env = {e["name"]: e for e in ray_container(spec)["env"]}
+            if name == "named":
+                ref = env["FORGE_KV_CURVE_SECRET"]["valueFrom"]["secretKeyRef"]
+                assert ref == secret, group
+            else:
+                assert "FORGE_KV_CURVE_SECRET" not in env, group
+
+
 # --- Ray's token -----------------------------------------------------------------------------
 
 RAY_TOKEN_SECRET = "forge-ray-token"  # docs/deploy.md creates it under this name

@@ -200,9 +200,44 @@ Arguments: root, group (the group's values).
       key: {{ $root.Values.secrets.geminiApiKey.key }}
 {{- end }}
 {{- end }}
+{{- with $root.Values.secrets.kvCurveSecret }}{{ if .name }}
+{{- $secret := . }}
+{{- $names := include "forge.kvCurveEnvs" $root }}
+{{- range $name := $names | splitList "," | compact }}
+- name: {{ $name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret.name }}
+      key: {{ $secret.key }}
+{{- end }}
+{{- end }}{{ end }}
 {{- with $root.Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+The variables the kv_aware pools of the serve config read their KV events' CURVE secret from
+(routing.kv_events.curve_secret_env, FORGE_KV_CURVE_SECRET by default; none for auth: none),
+joined by commas: pools in an application of their own (args.pool) and in the gateway's
+(args.pools).
+*/}}
+{{- define "forge.kvCurveEnvs" -}}
+{{- $config := include "forge.serveConfig" . | fromYaml }}
+{{- $names := dict }}
+{{- range $app := $config.applications }}
+{{- $args := default dict $app.args }}
+{{- $pools := default list $args.pools }}
+{{- with $args.pool }}{{ $pools = append $pools . }}{{ end }}
+{{- range $pool := $pools }}
+{{- $routing := default dict $pool.routing }}
+{{- $events := default dict $routing.kv_events }}
+{{- if and (eq (toString $routing.policy) "kv_aware") (ne (toString $events.auth) "none") }}
+{{- $_ := set $names (default "FORGE_KV_CURVE_SECRET" $events.curve_secret_env) true }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- keys $names | sortAlpha | join "," }}
 {{- end }}
 
 {{/*
