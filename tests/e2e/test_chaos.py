@@ -9,6 +9,8 @@ text from two generations spliced together.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import orjson
 import pytest
@@ -45,6 +47,20 @@ def breaker_state(backend: str) -> int:
 
 def retries(metric) -> float:
     return metric("forge_retries_total")
+
+
+def settled(read, *, quiet_s: float = 1.5, timeout_s: float = 20) -> float:
+    """A counter's value once it has stopped moving for ``quiet_s``: Ray exports a process's
+    metrics every 0.5 s, so a count read just after the earlier tests may still miss their last
+    retries (CI once read 1 for what was 2, and this test then counted one retry too many)."""
+    last, deadline = read(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def answered(metric) -> float:
@@ -88,7 +104,8 @@ def test_a_failing_or_hung_replica_costs_clients_nothing_and_is_routed_around(
     forge_url, faults, metric, fault
 ):
     bad = faults.set_one(POOL, fault)
-    retried_before, answered_before = retries(metric), answered(metric)
+    retried_before = settled(lambda: retries(metric))
+    answered_before = settled(lambda: answered(metric))
     served = drive(forge_url, 16)
     eventually(
         lambda: shunned_everywhere(f"chaos/{bad}"),
