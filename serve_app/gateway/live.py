@@ -86,12 +86,17 @@ class LiveUpdates:
             self._metrics.config_changes.inc(tags={"outcome": "refused"})
             self.status = {**self.status, "refused": {"digest": digest, "error": str(err)}}
             return
-        self._reconfigured = True
-        self.config, self.user_config = config, user_config
-        self.status = {"digest": live_digest(config), "applied_at": time.time(), "refused": None}
-        self._changed.set()
+        self._serve(config, user_config, refused=None)
         self._metrics.config_changes.inc(tags={"outcome": "applied"})
         logger.info("live configuration %s applied (was %s)", self.status["digest"], before)
+
+    def _serve(self, config: ForgeConfig, user_config: dict, refused: dict | None) -> None:
+        """``config`` (``user_config`` over the base) is what this replica serves from now on;
+        the schedulers and the board hear of it."""
+        self._reconfigured = True
+        self.config, self.user_config = config, user_config
+        self.status = {"digest": live_digest(config), "applied_at": time.time(), "refused": refused}
+        self._changed.set()
 
     async def _start_as_peers_serve(self, target: dict, err: Exception) -> bool:
         """Serve what a running replica serves, with the target refused: whether that worked.
@@ -107,17 +112,14 @@ class LiveUpdates:
         except Exception as peer_err:  # none answers in time, or what it serves does not apply
             logger.error("no running replica's configuration to start from: %r", peer_err)
             return False
-        self._reconfigured = True
-        self.config, self.user_config = config, served
-        digest, target_digest = live_digest(config), settings_digest(target)
+        target_digest = settings_digest(target)
         refused = {"digest": target_digest, "error": str(err), "started_from": "a running replica"}
-        self.status = {"digest": digest, "applied_at": time.time(), "refused": refused}
-        self._changed.set()
+        self._serve(config, served, refused)
         self._metrics.config_changes.inc(tags={"outcome": "refused"})
         logger.error(
             "live configuration %s refused at start-up; serving %s, a running replica's: %s",
             target_digest,
-            digest,
+            self.status["digest"],
             err,
         )
         return True

@@ -18,10 +18,10 @@ with the same arguments. Three rewrites, none of which Ray has a setting for:
   back is the one Forge logs.
 - **The admin routes off the clients' port** (``admin_listener``). With
   ``FORGE_ADMIN_PORT`` set (``configs/gke.yaml``), the client-facing frontend answers only the
-  API's paths (``CLIENT_PATHS``: ``/v1/...`` and the health checks) and a 404 in Forge's error
-  shape for anything else (``/admin/*``, fault injection, ``/docs``, ``/openapi.json``); a copy
-  of that frontend, with the same routes and header rules,
-  listens on the admin port for everything. The NetworkPolicy admits operators alone to it
+  API's paths (``CLIENT_PREFIXES``, ``/v1/``, and ``CLIENT_PATHS``, the health checks) and a 404
+  in Forge's error shape for anything else (``/admin/*``, fault injection, ``/docs``,
+  ``/openapi.json``); a copy of that frontend, with the same routes and header rules, listens
+  on the admin port for everything. The NetworkPolicy admits operators alone to it
   (docs/listeners.md). Unset (a laptop), both stay on the one loopback front.
 - **Side listeners no wider than the front** (``on_loopback``). Ray renders the stats
   (``bind *:8404``) and Prometheus (``bind :9101``) listeners with no host, so they listen on
@@ -78,6 +78,17 @@ def _front_bind(config: str) -> re.Match[str] | None:
     return _BIND.search(config, start, end)
 
 
+def _after_bind(section: str, lines: list[str]) -> str:
+    """A frontend's ``section`` with ``lines`` right after its bind line, at its indent."""
+    bind = _BIND.search(section)
+    if bind is None:
+        raise ValueError("'frontend http_frontend' has no bind line")
+    line_end = section.find("\n", bind.end())
+    line_end = len(section) if line_end == -1 else line_end
+    added = "".join(f"\n{bind.group(1)}{line}" for line in lines)
+    return section[:line_end] + added + section[line_end:]
+
+
 def _either_separator(name: str) -> str:
     """A header-name regex that takes "-" and "_" alike, as Serve does."""
     return "^" + "[-_]".join(re.escape(part) for part in re.split(r"[-_]", name.lower())) + "$"
@@ -109,16 +120,9 @@ def closed_to_clients(config: str, environ: Mapping[str, str] | None = None) -> 
     """
     if MARK in config:  # a reload rewrites an already rewritten file
         return config
-    if _FRONTEND.search(config) is None:
-        raise ValueError("no 'frontend http_frontend' in the HAProxy config Serve rendered")
-    bind = _front_bind(config)
-    if bind is None:
-        raise ValueError("'frontend http_frontend' has no bind line")
-    indent = bind.group(1)
-    line_end = config.find("\n", bind.end())
-    line_end = len(config) if line_end == -1 else line_end
-    rules = "".join(f"\n{indent}{rule}" for rule in control_header_rules(environ))
-    return f"{config[:line_end]}\n{indent}{MARK}{rules}{config[line_end:]}"
+    start, end = _frontend_section(config)
+    rules = [MARK, *control_header_rules(environ)]
+    return config[:start] + _after_bind(config[start:end], rules) + config[end:]
 
 
 # -- the admin listener -------------------------------------------------------------------
@@ -170,23 +174,20 @@ def admin_listener(config: str, environ: Mapping[str, str] | None = None) -> str
     if port is None or f"frontend {ADMIN_FRONTEND}" in config:
         return config
     start, end = _frontend_section(config)
-    section = config[start:end]
-    bind = _BIND.search(section)
+    bind = _front_bind(config)
     if bind is None:
         raise ValueError("'frontend http_frontend' has no bind line")
     host, _, front_port = bind.group(2).rpartition(":")
     if front_port == str(port):
         raise ValueError(f"{ADMIN_PORT_SETTING}={port} is the clients' own port")
-    line_end = section.find("\n", bind.end())
-    line_end = len(section) if line_end == -1 else line_end
-    indent = bind.group(1)
     admin = (
-        section[: bind.start(2)].replace("frontend http_frontend", f"frontend {ADMIN_FRONTEND}", 1)
+        config[start : bind.start(2)].replace(
+            "frontend http_frontend", f"frontend {ADMIN_FRONTEND}", 1
+        )
         + f"{host}:{port}"
-        + section[bind.end(2) :]
+        + config[bind.end(2) : end]
     )
-    rules = "".join(f"\n{indent}{rule}" for rule in client_path_rules())
-    clients = section[:line_end] + rules + section[line_end:]
+    clients = _after_bind(config[start:end], client_path_rules())
     if not clients.endswith("\n"):
         clients += "\n"
     return config[:start] + clients + admin + config[end:]
