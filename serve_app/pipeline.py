@@ -43,6 +43,10 @@ class RequestContext:
 
     request: Request
     route: Kind | str  # "chat", "completion", or a non-inference route such as "models"
+    # The public API the client spoke, where it is not ``route`` itself ("responses",
+    # "messages", "count_tokens"): what metrics and logs call the route.
+    api: str | None = None
+    dialect: str | None = None  # the dialect that translates it to ``route`` (``dialects/``)
     started: float = field(default_factory=time.perf_counter)
     request_id: str = ""  # the client's (or minted): headers, logs and spans only
     # Forge's own id for this request, never the client's: it keys everything inside (the
@@ -70,6 +74,11 @@ class RequestContext:
     gathered: StreamedAnswer | None = None
     prompt_estimate: int | None = None  # the gateway's count of the prompt, once made
     model_served: bool = False  # set by parse: the body's model is one this gateway serves
+    turn: Any = None  # the dialect's own state for this request, set as it translates the body
+
+    @property
+    def route_label(self) -> str:
+        return self.api or str(self.route)
 
     @property
     def tenant_name(self) -> str:

@@ -9,7 +9,7 @@ OpenAI's schema types them: ``"max_tokens": true`` or ``"16"`` is a 400, not a s
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -138,6 +138,7 @@ def _embedding_input(value: Any) -> bool:
     return ids(value) or all(ids(item) for item in value)
 
 
+M = TypeVar("M", bound=BaseModel)
 RequestModel = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
 
 
@@ -146,6 +147,12 @@ def parse_request(raw: bytes, model: RequestModel) -> tuple[dict, _SamplingReque
 
     Raises a 400 ``ForgeError`` that names the offending field.
     """
+    body = load_object(raw)
+    return body, validate(body, model)
+
+
+def load_object(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 that says why it is not one."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -154,8 +161,13 @@ def parse_request(raw: bytes, model: RequestModel) -> tuple[dict, _SamplingReque
         ) from None
     if not isinstance(body, dict):
         raise errors.invalid_request("Request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def validate(body: dict, model: type[M]) -> M:
+    """``body`` as ``model``, or a 400 that names the offending field as the client wrote it."""
     try:
-        return body, model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         param = _param(first["loc"], body)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from opentelemetry.trace import Tracer
+from starlette.responses import Response
 
 from serve_app.admission.client import SchedulerClient
 from serve_app.admission.scheduler import tenant_cap
@@ -33,10 +34,12 @@ from serve_app.auth.keys import KeyRing
 from serve_app.auth.throttle import FailedAuthThrottle
 from serve_app.backends.base import Backend
 from serve_app.config.models import AdmissionConfig, ForgeConfig, PoolConfig
+from serve_app.dialects import Dialect, MessagesDialect, ResponsesDialect, StoredResponses
+from serve_app.dialects.messages import count_response
 from serve_app.metering.book import UsageBook
 from serve_app.metering.ledger import UsageLedger, build_book
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
+from serve_app.pipeline import Handler, RequestContext, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.retry_budget import RetryBudget
 from serve_app.resilience.settings import retry_budget_settings
@@ -133,9 +136,12 @@ def _admitted(config: ForgeConfig, parts: Collaborators) -> list[PoolConfig]:
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
-    inference: Handler  # /v1/chat/completions, /v1/completions
+    inference: Handler  # /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages
     listing: Handler  # /v1/models
     stages: tuple[Stage, ...]  # the inference stages, in order (for docs, tests and traces)
+    dialects: Mapping[str, Dialect]  # "responses", "messages": they answer in their own shape
+    stored_response: Handler  # GET and DELETE /v1/responses/{id}
+    count_tokens: Handler  # /v1/messages/count_tokens: the body read and translated, counted
 
     def stage(self, kind: type[S]) -> S:
         """The one stage of type ``kind``: found by what it is, never by where it sits."""
@@ -162,6 +168,16 @@ def build_pipeline(
         TelemetryStage(metrics),
         AuthStage(parts.keyring, lasting.auth_throttle),
     ]
+    responses = ResponsesDialect(
+        StoredResponses(
+            parts.cache_store if parts.cache_store is not None else parts.store,
+            ttl_s=config.responses.stored_ttl_s,
+            max_bytes=config.responses.max_stored_bytes,
+            on_error=StoreFailures(metrics, "a stored response is not kept or not read"),
+        )
+    )
+    dialects: dict[str, Dialect] = {"responses": responses, "messages": MessagesDialect()}
+    parse = ParseStage(config.gateway, model_tasks(config, routes), dialects)
     admitted = _admitted(config, parts)
     # How long a request may hold a lease or a slot at most: its total deadline, then the
     # abandoned-usage question and a retry's slack. Renewers stop there, whatever happened.
@@ -169,7 +185,7 @@ def build_pipeline(
     stages: list[Stage] = [
         *front,
         MeterStage(lasting.ledger if config.metering.enabled else None, metrics),
-        ParseStage(config.gateway, model_tasks(config, routes)),
+        parse,
         QuotaStage(
             parts.store,
             metrics,
@@ -194,13 +210,31 @@ def build_pipeline(
         RetryBudget(retry_budget_settings(config.resilience.retry_budget)),
         metrics,
     )
+    counting = [*front, parse]
     if tracer is None:
-        return Pipeline(compose(stages, dispatch), compose(front, list_models), tuple(stages))
+        return Pipeline(
+            compose(stages, dispatch),
+            compose(front, list_models),
+            tuple(stages),
+            dialects,
+            compose(front, responses.stored_response),
+            compose(counting, count_tokens),
+        )
     # Traced: the root span opens first, then a span per stage, and dispatch's own.
     root = TraceStage(tracer)
     inference = compose(stages, traced_endpoint(dispatch, tracer, "forge.dispatch"), tracer)
-    listing = compose(front, list_models, tracer)
-    return Pipeline(compose([root], inference), compose([root], listing), tuple(stages))
+    return Pipeline(
+        compose([root], inference),
+        compose([root], compose(front, list_models, tracer)),
+        tuple(stages),
+        dialects,
+        compose([root], compose(front, responses.stored_response, tracer)),
+        compose([root], compose(counting, count_tokens, tracer)),
+    )
+
+
+async def count_tokens(ctx: RequestContext) -> Response:
+    return count_response(ctx)
 
 
 def gateway_replicas(config: ForgeConfig) -> int:

@@ -182,6 +182,9 @@ class DownStore(Store):
     async def cache_put(self, key, value, ttl_s) -> None:
         self._fail()
 
+    async def cache_delete(self, key) -> bool:
+        self._fail()
+
     async def ping(self) -> None:
         self._fail()
 

@@ -9,10 +9,13 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
+from serve_app.dialects.messages import CountTokensRequest, MessagesRequest
+from serve_app.dialects.responses import ResponsesRequest
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 SCHEMA_REF = "#/components/schemas/{model}"
 BEARER = "bearer"  # the security scheme's name in the schema
+API_KEY = "x-api-key"  # Anthropic's header, taken on every route as the same key
 
 
 class ErrorDetail(BaseModel):
@@ -26,6 +29,29 @@ class ErrorResponse(BaseModel):
     """Every error the gateway answers, as OpenAI shapes it."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Every error of the Messages routes, as Anthropic shapes it."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+    request_id: str | None = None
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool
 
 
 class ModelCard(BaseModel):
@@ -62,14 +88,29 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
                 responses.setdefault("400", _error_ref("Invalid request"))
     for unused in ("HTTPValidationError", "ValidationError"):
         models.pop(unused, None)
-    for model in (ErrorResponse, ModelList, Health, Readiness):
+    for model in (
+        ErrorResponse,
+        ModelList,
+        Health,
+        Readiness,
+        AnthropicError,
+        TokenCount,
+        ResponseDeleted,
+    ):
         add_component(models, model, mode="serialization")
-    components.setdefault("securitySchemes", {})[BEARER] = {
+    schemes = components.setdefault("securitySchemes", {})
+    schemes[BEARER] = {
         "type": "http",
         "scheme": "bearer",
         "description": "A tenant's API key (inference, /v1/usage) or an admin key (/admin/*).",
     }
-    security = [{BEARER: []}]
+    schemes[API_KEY] = {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "A tenant's API key, as Anthropic's SDK sends it (any inference route).",
+    }
+    security = [{BEARER: []}, {API_KEY: []}]
     failures = {
         "400": _error_ref("Invalid request: the message names the parameter"),
         "401": _error_ref("Missing, malformed or unknown API key"),
@@ -82,10 +123,20 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
     }
     paths: dict[str, Any] = {}
     streamed = "with stream: true an SSE stream of {kind} chunks ending with data: [DONE]"
-    for path, model, kind, description in (
-        ("/v1/chat/completions", ChatCompletionRequest, "chat.completion", streamed),
-        ("/v1/completions", CompletionRequest, "text_completion", streamed),
-        ("/v1/embeddings", EmbeddingRequest, "embedding list", None),
+    events = "with stream: true an SSE stream of {kind} events (event: and data: lines)"
+    anthropic_failures = {
+        status: {
+            "description": f["description"],
+            "content": _json_ref("", AnthropicError)["content"],
+        }
+        for status, f in failures.items()
+    }
+    for path, model, kind, description, errors in (
+        ("/v1/chat/completions", ChatCompletionRequest, "chat.completion", streamed, failures),
+        ("/v1/completions", CompletionRequest, "text_completion", streamed, failures),
+        ("/v1/embeddings", EmbeddingRequest, "embedding list", None, failures),
+        ("/v1/responses", ResponsesRequest, "response", events, failures),
+        ("/v1/messages", MessagesRequest, "message", events, anthropic_failures),
     ):
         content: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
         summary = f"A {kind} object"
@@ -110,9 +161,64 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
                     "required": True,
                     "content": {"application/json": {"schema": add_component(models, model)}},
                 },
-                "responses": {"200": {"description": summary, "content": content}, **failures},
+                "responses": {"200": {"description": summary, "content": content}, **errors},
             }
         }
+    paths["/v1/messages/count_tokens"] = {
+        "post": {
+            "tags": ["inference"],
+            "summary": "Count a message's input tokens (the gateway's count, as budgets use)",
+            "operationId": "count_message_tokens",
+            "security": security,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": add_component(models, CountTokensRequest)}
+                },
+            },
+            "responses": {
+                "200": _json_ref("The input tokens", TokenCount),
+                **{k: anthropic_failures[k] for k in ("400", "401", "404", "413")},
+            },
+        }
+    }
+    stored = {
+        "name": "response_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+    }
+    paths["/v1/responses/{response_id}"] = {
+        "get": {
+            "tags": ["inference"],
+            "summary": "A stored response of the calling tenant",
+            "operationId": "get_response",
+            "security": security,
+            "parameters": [stored],
+            "responses": {
+                "200": {
+                    "description": "The response object",
+                    "content": {"application/json": {"schema": {"type": "object"}}},
+                },
+                "401": failures["401"],
+                "404": _error_ref("No such response for this tenant"),
+                "503": _error_ref("The store did not answer"),
+            },
+        },
+        "delete": {
+            "tags": ["inference"],
+            "summary": "Delete a stored response of the calling tenant",
+            "operationId": "delete_response",
+            "security": security,
+            "parameters": [stored],
+            "responses": {
+                "200": _json_ref("Deleted", ResponseDeleted),
+                "401": failures["401"],
+                "404": _error_ref("No such response for this tenant"),
+                "503": _error_ref("The store did not answer"),
+            },
+        },
+    }
     paths["/v1/models"] = {
         "get": {
             "tags": ["inference"],

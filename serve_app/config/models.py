@@ -548,6 +548,17 @@ class CacheConfig(_Strict):
     store: CacheStoreConfig | None = None
 
 
+class ResponsesConfig(_Strict):
+    """Stored responses (``POST /v1/responses`` with ``store``, continued by
+    ``previous_response_id``): kept in the cache's store, per tenant (``dialects/stored.py``)."""
+
+    # OpenAI keeps stored responses 30 days.
+    stored_ttl_s: Annotated[float, Field(gt=0)] = 30 * 86_400.0
+    # A conversation larger than this (the whole history a follow-up continues) is served but
+    # not stored (logged): a follow-up to it is a 404.
+    max_stored_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024
+
+
 class ModelPrice(_Strict):
     """What a model's tokens cost, per million: what ``forge usage`` multiplies by."""
 
@@ -642,6 +653,7 @@ class ForgeConfig(_Strict):
     resilience: ResilienceConfig = ResilienceConfig()
     tracing: TracingConfig = TracingConfig()
     cache: CacheConfig = CacheConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     metering: MeteringConfig = MeteringConfig()
     admin: AdminConfig = AdminConfig()
     faults: FaultsConfig = FaultsConfig()

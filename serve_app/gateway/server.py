@@ -182,6 +182,12 @@ class Gateway:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
+                Route(
+                    "/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]
+                ),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
@@ -221,6 +227,26 @@ class Gateway:
 
     async def embeddings(self, request: Request) -> Response:
         return await self.pipeline.inference(RequestContext(request, "embedding"))
+
+    async def responses(self, request: Request) -> Response:
+        return await self._spoken(RequestContext(request, "chat", "responses", "responses"))
+
+    async def stored_response(self, request: Request) -> Response:
+        return await self.pipeline.stored_response(RequestContext(request, "responses"))
+
+    async def messages(self, request: Request) -> Response:
+        return await self._spoken(RequestContext(request, "chat", "messages", "messages"))
+
+    async def count_tokens(self, request: Request) -> Response:
+        ctx = RequestContext(request, "chat", "count_tokens", "messages")
+        pipeline = self.pipeline
+        return await pipeline.dialects["messages"].answer(ctx, await pipeline.count_tokens(ctx))
+
+    async def _spoken(self, ctx: RequestContext) -> Response:
+        """A request in a dialect: through the whole pipeline as chat, answered in its API's
+        shape (errors included) by the pipeline it started in."""
+        pipeline = self.pipeline
+        return await pipeline.dialects[ctx.dialect].answer(ctx, await pipeline.inference(ctx))
 
     async def list_models(self, request: Request) -> Response:
         return await self.pipeline.listing(RequestContext(request, "models"))

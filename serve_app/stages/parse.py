@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from serve_app import errors, protocol
 from serve_app.config.models import GatewayConfig
+from serve_app.dialects.base import Dialect
 from serve_app.pipeline import Handler, RequestContext
 
 _MODELS = {
@@ -24,11 +25,17 @@ _TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
 
 
 class ParseStage:
-    def __init__(self, limits: GatewayConfig, tasks: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        limits: GatewayConfig,
+        tasks: Mapping[str, str] | None = None,
+        dialects: Mapping[str, Dialect] | None = None,
+    ) -> None:
         self.max_body_bytes = limits.max_body_bytes
         self.max_messages = limits.max_messages
         self.body_timeout_s = limits.body_timeout_s
         self.tasks = dict(tasks or {})  # served model → "generate" or "embed"
+        self.dialects = dict(dialects or {})  # name → the API it translates to chat
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         try:
@@ -38,7 +45,11 @@ class ParseStage:
             raise errors.body_timeout(self.body_timeout_s) from None
         except ClientDisconnect:
             raise errors.client_closed() from None
-        ctx.body, ctx.parsed = protocol.parse_request(raw, _MODELS[ctx.route])
+        if ctx.dialect is None:
+            ctx.body, ctx.parsed = protocol.parse_request(raw, _MODELS[ctx.route])
+        else:  # the client's API, as the chat body every later stage and backend reads
+            body = await self.dialects[ctx.dialect].to_chat(protocol.load_object(raw), ctx)
+            ctx.body, ctx.parsed = body, protocol.validate(body, _MODELS[ctx.route])
         messages = getattr(ctx.parsed, "messages", None)
         if messages is not None and len(messages) > self.max_messages:
             raise errors.invalid_request(

@@ -45,7 +45,7 @@ class TelemetryStage:
         model = ctx.model_label
         self.metrics.record(
             tenant=ctx.tenant_name,
-            route=ctx.route,
+            route=ctx.route_label,
             model=model,
             backend=ctx.backend,
             status=status,
@@ -62,7 +62,7 @@ class TelemetryStage:
                         # Forge's own id: what the replicas and the fallback were sent.
                         "forge_id": ctx.key,
                         "tenant": ctx.tenant_name,
-                        "route": ctx.route,
+                        "route": ctx.route_label,
                         "model": model,
                         "backend": ctx.backend,
                         "replica": ctx.replica,

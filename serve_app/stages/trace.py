@@ -25,7 +25,7 @@ class TraceStage:
             "forge.request",
             context=extract(ctx.request.headers),
             kind=SpanKind.SERVER,
-            attributes={"forge.route": str(ctx.route), "http.request.method": ctx.request.method},
+            attributes={"forge.route": ctx.route_label, "http.request.method": ctx.request.method},
         )
         try:
             # Not the exception itself: its message may quote the request (forge.error is

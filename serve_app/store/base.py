@@ -169,6 +169,10 @@ class Store(ABC):
         ``SET`` does). The embedded store may drop it early to stay within its size cap."""
 
     @abstractmethod
+    async def cache_delete(self, key: str) -> bool:
+        """Forget ``key``; True if it held a value (a stored response a client deletes)."""
+
+    @abstractmethod
     async def ping(self) -> None:
         """Raise ``StoreError`` unless the backend answers."""
 

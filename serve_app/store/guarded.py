@@ -100,6 +100,9 @@ class GuardedStore(Store):
     async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
         await self._call("cache_put", lambda: self.store.cache_put(key, value, ttl_s))
 
+    async def cache_delete(self, key: str) -> bool:
+        return await self._call("cache_delete", lambda: self.store.cache_delete(key))
+
     async def ping(self) -> None:
         await self._call("ping", self.store.ping)
 

@@ -241,6 +241,11 @@ class MemoryStore(Store):
         self._lru.move_to_end(key)
         return entry.value
 
+    async def cache_delete(self, key: str) -> bool:
+        held = self._live(key, "cache", self._clock()) is not None
+        self._drop(key)
+        return held
+
     async def cache_put(self, key: str, value: bytes, ttl_s: float) -> None:
         check_ttl(ttl_s)
         now = self._clock()

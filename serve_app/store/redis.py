@@ -314,6 +314,10 @@ class RedisStore(Store):
         with self._failures("cache_put"):
             await self._client.set(self._key(key), value, px=_ms(ttl_s))
 
+    async def cache_delete(self, key: str) -> bool:
+        with self._failures("cache_delete"):
+            return bool(await self._client.delete(self._key(key)))
+
     async def ping(self) -> None:
         with self._failures("ping"):
             await self._client.ping()

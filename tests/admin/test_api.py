@@ -18,6 +18,8 @@ from serve_app.admission import warm_slots
 from serve_app.auth.keys import AdminKeys, hash_key
 from serve_app.config.live import application_config
 from serve_app.config.models import load_config
+from serve_app.dialects.messages import MessagesRequest
+from serve_app.dialects.responses import ResponsesRequest
 from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
 from serve_app.metering.book import BookError
@@ -503,18 +505,29 @@ async def test_every_operation_documents_its_errors_and_no_422(schema: dict):
         for method, operation in operations.items():
             responses = operation["responses"]
             assert "422" not in responses, (path, method)
-            if path not in {"/healthz", "/readyz"}:
-                assert operation["security"] == [{"bearer": []}], (path, method)
-                assert responses["401"]["content"]["application/json"]["schema"] == {
-                    "$ref": SCHEMA_REF.format(model="ErrorResponse")
-                }
+            if path in {"/healthz", "/readyz"}:
+                continue
+            # The inference routes take the key as Anthropic's SDK sends it too; admin and
+            # usage routes only as a bearer. The Messages routes answer in Anthropic's shape.
+            inference = operation["tags"] == ["inference"]
+            keys = [{"bearer": []}, {"x-api-key": []}] if inference else [{"bearer": []}]
+            assert operation["security"] == keys, (path, method)
+            shape = "AnthropicError" if path.startswith("/v1/messages") else "ErrorResponse"
+            assert responses["401"]["content"]["application/json"]["schema"] == {
+                "$ref": SCHEMA_REF.format(model=shape)
+            }, (path, method)
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert "HTTPValidationError" not in schema["components"]["schemas"]
 
 
 @pytest.mark.parametrize(
     ("path", "model"),
-    [("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)],
+    [
+        ("/v1/chat/completions", ChatCompletionRequest),
+        ("/v1/completions", CompletionRequest),
+        ("/v1/responses", ResponsesRequest),
+        ("/v1/messages", MessagesRequest),
+    ],
 )
 async def test_request_schemas_are_the_wire_types_own(schema: dict, path: str, model: type):
     """A drift test: the documented body is what ``serve_app/protocol.py`` validates."""

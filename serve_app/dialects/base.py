@@ -1,0 +1,187 @@
+"""What every dialect shares: the seam at the edge, and reading a chat answer back.
+
+A dialect speaks one public API (OpenAI's Responses, Anthropic's Messages) at the edge and chat
+completions inside. ``ParseStage`` asks it for the chat body before quota, cache, admission and
+dispatch see the request; the gateway's route asks it to answer in its own shape with what the
+pipeline returned (a chat completion, a chat SSE stream, or an OpenAI-shaped error). So every
+stage, every backend and the fallback serve one protocol, and a budget, a cached answer, a
+failover or a metered token is the same on every route. What a chat completion cannot carry
+(a built-in tool, a background run) is refused here, before any budget is spent on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import orjson
+from starlette.responses import Response, StreamingResponse
+
+from serve_app import sse
+from serve_app.pipeline import RequestContext
+
+
+class Dialect(Protocol):
+    name: str  # the route's own name: "responses", "messages"
+
+    async def to_chat(self, body: dict, ctx: RequestContext) -> dict:
+        """The chat completions body for ``body``; a 400 naming the client's field if it is
+        not one this dialect can translate."""
+        ...
+
+    async def answer(self, ctx: RequestContext, response: Response) -> Response:
+        """The pipeline's ``response`` in this dialect's shape."""
+        ...
+
+
+async def rewrite(
+    response: Response,
+    json_body: Callable[[int, dict], Awaitable[tuple[int, dict]]],
+    stream: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]],
+) -> Response:
+    """``response`` with its body translated. A stream keeps its object (the stages' end
+    callbacks hang off it) and gets a translated body; a JSON answer is read and rebuilt."""
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = stream(response.body_iterator)
+        return response
+    return await _rebuilt(response, json_body)
+
+
+async def _rebuilt(
+    response: Response, json_body: Callable[[int, dict], Awaitable[tuple[int, dict]]]
+) -> Response:
+    try:
+        body = orjson.loads(response.body)
+    except orjson.JSONDecodeError:
+        return response
+    if not isinstance(body, dict):
+        return response
+    status, out = await json_body(response.status_code, body)
+    headers = {
+        k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")
+    }
+    return Response(
+        orjson.dumps(out), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+async def chat_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, Any]]:
+    """A chat SSE stream as ``("chunk", dict)``, ``("error", dict)`` (the OpenAI error body a
+    stream ends with when it fails after its first byte) and ``("comment", bytes)`` (a
+    keep-alive, passed on as it is); ``[DONE]`` ends it. The inner stream is closed however
+    the reading ends, so its generation is aborted when the client leaves."""
+    ended = False
+    try:
+        async for events in sse.split_frames(chunks):
+            for event in events:
+                # Read to its end past ``[DONE]`` or an error (nothing follows them): a stream
+                # left unfinished counts as one its client left (499).
+                if ended:
+                    continue
+                if not any(line.startswith(b"data:") for line in event.split(b"\n")):
+                    yield "comment", event
+                    continue
+                data = sse.frame_data(event)
+                if data == b"[DONE]":
+                    ended = True
+                    continue
+                try:
+                    payload = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                    ended = True
+                    yield "error", payload["error"]
+                elif isinstance(payload, dict):
+                    yield "chunk", payload
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def named_event(kind: str, payload: dict) -> bytes:
+    """One SSE event with an ``event:`` line, as both APIs stream them."""
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def text_of(content: Any, *kinds: str) -> str:
+    """The text of a content field: a string, or the ``text`` of the parts of ``kinds``."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(
+        p["text"]
+        for p in content
+        if isinstance(p, dict) and p.get("type") in kinds and isinstance(p.get("text"), str)
+    )
+
+
+def arguments_object(arguments: str) -> dict:
+    """A tool call's arguments as an object (Anthropic's ``input``): ``{}`` for what a model
+    cut short or got wrong, which the client's tool then refuses with its own message."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def chat_message(choice: dict) -> tuple[str, list[dict], str | None]:
+    """A chat completion choice's text, tool calls and finish reason."""
+    message = choice.get("message") or {}
+    text = message.get("content") if isinstance(message.get("content"), str) else ""
+    calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
+    return text or "", calls, choice.get("finish_reason")
+
+
+def assistant_turn(text: str, calls: list[dict]) -> dict:
+    """What the model said, as a chat message a follow-up sends back."""
+    message: dict = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {
+                    "name": (c.get("function") or {}).get("name", ""),
+                    "arguments": (c.get("function") or {}).get("arguments", ""),
+                },
+            }
+            for c in calls
+        ]
+    return message
+
+
+class ToolCallDeltas:
+    """Chat tool-call deltas gathered per call index: what both streams announce as the call
+    opens (its id and name), and its arguments as they arrive."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict] = {}
+
+    def feed(self, delta: dict) -> list[tuple[bool, dict, str]]:
+        """``(opened, call, new_arguments)`` per tool call ``delta`` carries."""
+        out = []
+        for part in delta.get("tool_calls") or ():
+            if not isinstance(part, dict):
+                continue
+            index = part.get("index", 0)
+            function = part.get("function") or {}
+            call = self.calls.get(index)
+            opened = call is None
+            if call is None:
+                call = self.calls[index] = {
+                    "id": part.get("id") or "",
+                    "type": "function",
+                    "function": {"name": function.get("name") or "", "arguments": ""},
+                }
+            arguments = function.get("arguments") or ""
+            call["function"]["arguments"] += arguments
+            out.append((opened, call, arguments))
+        return out
+
+    def all(self) -> list[dict]:
+        return [self.calls[i] for i in sorted(self.calls)]

@@ -1,0 +1,413 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) over chat
+completions.
+
+In: ``system`` becomes the system message; ``messages`` with ``text``, ``image``,
+``tool_use`` and ``tool_result`` blocks become chat messages (a user turn's tool results first,
+as tool messages, then its text); client tools, ``tool_choice`` (``auto``, ``any``, ``tool``,
+``none``, ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, ``temperature``,
+``top_p`` and ``metadata.user_id`` their chat equivalents. Out: the chat answer as a message,
+its stream as Anthropic's event sequence, and every error (the pipeline's OpenAI-shaped ones
+included) in Anthropic's shape, so the ``anthropic`` SDK raises the class it would against
+Anthropic. Server tools (web search, code execution...) run on Anthropic's servers and are
+refused with a 400 naming the tool.
+
+Not knowable from a chat answer: which stop sequence ended it (``stop_sequence`` is null and
+``stop_reason`` ``end_turn``), and prompt-cache writes (``cache_creation_input_tokens`` 0).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.responses import Response
+
+from serve_app import errors, protocol
+from serve_app.dialects.base import (
+    ToolCallDeltas,
+    arguments_object,
+    chat_frames,
+    chat_message,
+    named_event,
+    rewrite,
+    text_of,
+)
+from serve_app.pipeline import RequestContext
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# Anthropic's error types by status (its SDK picks the exception class by status alone).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, strict=True)]
+    messages: Annotated[list[dict], Field(min_length=1)]
+    system: str | list[dict] | None = None
+    stop_sequences: list[str] | None = None
+    stream: StrictBool = False
+    temperature: Annotated[float, Field(ge=0, le=1, strict=True)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1, strict=True)] | None = None
+    tools: list[dict] | None = None
+    tool_choice: dict | None = None
+    metadata: dict | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None  # not asked here
+
+
+@dataclass(slots=True)
+class Exchange:
+    id: str
+    model: str
+
+
+class MessagesDialect:
+    name = "messages"
+
+    # -- in ----------------------------------------------------------------------------------
+
+    async def to_chat(self, body: dict, ctx: RequestContext) -> dict:
+        counting = ctx.api == "count_tokens"
+        req = protocol.validate(body, CountTokensRequest if counting else MessagesRequest)
+        ctx.turn = Exchange("msg_" + uuid.uuid4().hex, req.model)
+        system = text_of(req.system, "text") if req.system is not None else ""
+        messages = [{"role": "system", "content": system}] if system else []
+        for i, message in enumerate(req.messages):
+            messages += chat_messages(message, f"messages.{i}")
+        chat: dict[str, Any] = {"model": req.model, "messages": messages}
+        if req.max_tokens is not None:
+            chat["max_tokens"] = req.max_tokens
+        if req.stream:
+            chat["stream"] = True
+            chat["stream_options"] = {"include_usage": True}
+        if req.stop_sequences:
+            chat["stop"] = req.stop_sequences
+        for name in ("temperature", "top_p"):
+            if getattr(req, name) is not None:
+                chat[name] = getattr(req, name)
+        user = (req.metadata or {}).get("user_id")
+        if isinstance(user, str):
+            chat["user"] = user
+        if req.tools:
+            chat["tools"] = chat_tools(req.tools)
+        if req.tool_choice is not None:
+            choice, parallel = chat_tool_choice(req.tool_choice)
+            chat["tool_choice"] = choice
+            if parallel is False:
+                chat["parallel_tool_calls"] = False
+        return chat
+
+    # -- out ---------------------------------------------------------------------------------
+
+    async def answer(self, ctx: RequestContext, response: Response) -> Response:
+        exchange: Exchange | None = ctx.turn
+        return await rewrite(
+            response,
+            lambda status, body: self._json(ctx, exchange, status, body),
+            lambda chunks: self._stream(ctx, exchange, chunks),
+        )
+
+    async def _json(
+        self, ctx: RequestContext, exchange: Exchange | None, status: int, body: dict
+    ) -> tuple[int, dict]:
+        if status != 200 or exchange is None:
+            return status, anthropic_error(status, body.get("error") or {}, ctx.request_id)
+        if ctx.api == "count_tokens":
+            return status, body
+        text, calls, finish = chat_message((body.get("choices") or [{}])[0])
+        content: list[dict] = [{"type": "text", "text": text}] if text else []
+        content += [
+            {
+                "type": "tool_use",
+                "id": c.get("id") or "toolu_" + uuid.uuid4().hex,
+                "name": (c.get("function") or {}).get("name", ""),
+                "input": arguments_object((c.get("function") or {}).get("arguments", "")),
+            }
+            for c in calls
+        ]
+        return status, {
+            "id": exchange.id,
+            "type": "message",
+            "role": "assistant",
+            "model": exchange.model,
+            "content": content,
+            "stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn"),
+            "stop_sequence": None,
+            "usage": anthropic_usage(body.get("usage")),
+        }
+
+    async def _stream(
+        self, ctx: RequestContext, exchange: Exchange | None, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        assert exchange is not None  # a stream is answered only once the body was translated
+        start = {
+            "id": exchange.id,
+            "type": "message",
+            "role": "assistant",
+            "model": exchange.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            # What the gateway counted; the engine's own count comes with message_delta.
+            "usage": {**anthropic_usage(None), "input_tokens": ctx.prompt_estimate or 0},
+        }
+        yield named_event("message_start", {"type": "message_start", "message": start})
+        yield named_event("ping", {"type": "ping"})
+        block = -1  # the open content block's index
+        text_open = False
+        calls = ToolCallDeltas()
+        usage, finish, failed = None, None, False
+        async for kind, payload in chat_frames(chunks):
+            if kind == "comment":
+                yield payload
+                continue
+            if kind == "error":
+                yield named_event("error", anthropic_error(599, payload, ctx.request_id))
+                failed = True
+                continue  # nothing follows; reading on lets the stream end as it ended
+            if payload.get("usage"):
+                usage = payload["usage"]
+            for choice in payload.get("choices") or ():
+                delta = choice.get("delta") or {}
+                content = delta.get("content")
+                if isinstance(content, str) and content:
+                    if not text_open:
+                        block += 1
+                        text_open = True
+                        yield _block_start(block, {"type": "text", "text": ""})
+                    yield _block_delta(block, {"type": "text_delta", "text": content})
+                for opened, call, arguments in calls.feed(delta):
+                    if opened:
+                        if block >= 0:
+                            yield _block_stop(block)
+                        text_open = False
+                        block += 1
+                        tool = {
+                            "type": "tool_use",
+                            "id": call["id"] or "toolu_" + uuid.uuid4().hex,
+                            "name": call["function"]["name"],
+                            "input": {},
+                        }
+                        yield _block_start(block, tool)
+                    if arguments:
+                        yield _block_delta(
+                            block, {"type": "input_json_delta", "partial_json": arguments}
+                        )
+                finish = choice.get("finish_reason") or finish
+        if failed:
+            return
+        if block >= 0:
+            yield _block_stop(block)
+        final = anthropic_usage(usage)
+        yield named_event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {
+                    "stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn"),
+                    "stop_sequence": None,
+                },
+                "usage": final,
+            },
+        )
+        yield named_event("message_stop", {"type": "message_stop"})
+
+
+def _block_start(index: int, block: dict) -> bytes:
+    return named_event(
+        "content_block_start",
+        {"type": "content_block_start", "index": index, "content_block": block},
+    )
+
+
+def _block_delta(index: int, delta: dict) -> bytes:
+    return named_event(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )
+
+
+def _block_stop(index: int) -> bytes:
+    return named_event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+def anthropic_usage(usage: dict | None) -> dict:
+    usage = usage if isinstance(usage, dict) else {}
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    # Anthropic's input_tokens leave out what was read from the prompt cache (OpenAI's count it).
+    return {
+        "input_tokens": max(0, int(usage.get("prompt_tokens") or 0) - cached),
+        "output_tokens": int(usage.get("completion_tokens") or 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def anthropic_error(status: int, error: dict, request_id: str) -> dict:
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    message = error.get("message") if isinstance(error.get("message"), str) else None
+    return {
+        "type": "error",
+        "error": {"type": kind, "message": message or "The request failed."},
+        "request_id": request_id or None,
+    }
+
+
+def count_response(ctx: RequestContext) -> Response:
+    """``/v1/messages/count_tokens``: the gateway's count of the translated prompt, the one its
+    budgets reserve (the engine's own tokenizer may differ by a few tokens)."""
+    tokens = protocol.count_prompt_tokens(ctx.body or {}, "chat")
+    return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json")
+
+
+# -- the request's parts, translated ----------------------------------------------------------
+
+
+def chat_messages(message: dict, param: str) -> list[dict]:
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise errors.invalid_request(
+            f"Invalid value for '{param}.role': expected user or assistant.",
+            param=f"{param}.role",
+        )
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise errors.invalid_request(
+            f"Invalid value for '{param}.content': expected a string or content blocks.",
+            param=f"{param}.content",
+        )
+    results: list[dict] = []
+    parts: list[dict] = []
+    calls: list[dict] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        where = f"{param}.content.{j}"
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(
+                {
+                    "id": _string(block, "id", where),
+                    "type": "function",
+                    "function": {
+                        "name": _string(block, "name", where),
+                        "arguments": json.dumps(block.get("input") or {}),
+                    },
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            text = text_of(block.get("content") or "", "text")
+            if block.get("is_error") is True:
+                text = f"Error: {text}"
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(block, "tool_use_id", where),
+                    "content": text,
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # a model's reasoning is not part of the next prompt
+        else:
+            raise errors.invalid_request(
+                f"Content blocks of type '{kind}' are not supported in a {role} message by this "
+                "gateway: it serves text, image (user), tool_use (assistant) and tool_result "
+                "(user).",
+                param=f"{where}.type",
+                code="unsupported_parameter",
+            )
+    out = list(results)
+    if role == "assistant":
+        turn: dict = {"role": "assistant", "content": _joined(parts) if parts else None}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    elif parts:
+        out.append({"role": "user", "content": _joined(parts)})
+    return out
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_url(block: dict, where: str) -> str:
+    source = block.get("source") or {}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    raise errors.invalid_request(
+        f"Invalid value for '{where}.source': expected a base64 or url image source.",
+        param=f"{where}.source",
+    )
+
+
+def _string(block: dict, name: str, where: str) -> str:
+    value = block.get(name)
+    if not isinstance(value, str) or not value:
+        raise errors.invalid_request(
+            f"Missing required parameter: '{where}.{name}'.",
+            param=f"{where}.{name}",
+            code="missing_required_parameter",
+        )
+    return value
+
+
+def chat_tools(tools: list[dict]) -> list[dict]:
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") not in (None, "custom"):
+            raise errors.invalid_request(
+                f"Tools of type '{tool.get('type')}' are not supported by this gateway: server "
+                "tools run on Anthropic's servers; declare a client tool (name, input_schema).",
+                param=f"tools.{i}.type",
+                code="unsupported_tool",
+            )
+        name = _string(tool, "name", f"tools.{i}")
+        function: dict = {"name": name, "parameters": tool.get("input_schema") or {}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: dict) -> tuple[str | dict, bool | None]:
+    """Chat's ``tool_choice``, and False when parallel calls are turned off."""
+    parallel = False if choice.get("disable_parallel_tool_use") is True else None
+    kind = choice.get("type")
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise errors.invalid_request(
+        "Invalid value for 'tool_choice': expected type auto, any, none, or tool with a name.",
+        param="tool_choice",
+    )

@@ -1,0 +1,576 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over chat completions.
+
+In: ``instructions`` become the system message; ``input`` (text, or items: messages,
+``function_call``, ``function_call_output``) the messages after the conversation that
+``previous_response_id`` names; function tools, ``tool_choice``, ``parallel_tool_calls``,
+``text.format`` (``json_schema``, ``json_object``), ``max_output_tokens``, ``temperature``,
+``top_p`` and ``user`` their chat equivalents. Out: the chat answer as a response object, or its
+stream as the Responses event sequence the official client parses. Built-in tools (web search,
+file search, code interpreter...), ``background``, ``conversation`` and reusable ``prompt``
+templates need OpenAI's servers; they are refused with a 400 naming the field, on every
+backend alike, so nothing accepted here is unservable by the fallback.
+
+OpenAI's own behaviours kept: ``store`` defaults to true; ``instructions`` are not carried
+over from a previous response; ``metadata`` is echoed and stored, never sent to the model.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from serve_app import errors, protocol
+from serve_app.dialects.base import (
+    ToolCallDeltas,
+    assistant_turn,
+    chat_frames,
+    chat_message,
+    named_event,
+    rewrite,
+    text_of,
+)
+from serve_app.dialects.stored import StoredResponses
+from serve_app.pipeline import RequestContext
+
+_JSON = "application/json"
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# Fields that ask for OpenAI's servers: refused by name rather than silently ignored.
+_UNSERVABLE = {
+    "background": "background runs need OpenAI's job queue; send the request and wait for it",
+    "conversation": "the Conversations API is not served here; use previous_response_id",
+    "prompt": "reusable prompt templates live on OpenAI's platform; send the text itself",
+}
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Field(min_length=1)]
+    input: str | Annotated[list[dict], Field(min_length=1)]
+    instructions: str | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: Annotated[str, Field(min_length=1)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, strict=True)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1, strict=True)] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class Turn:
+    """One response being made: what its object echoes, and what a follow-up continues."""
+
+    id: str
+    request: ResponsesRequest
+    body: dict  # the client's JSON: tools and text format echoed as they were sent
+    history: list[dict]  # the conversation before this turn's output, without instructions
+    tenant: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def response(
+        self,
+        status: str,
+        output: list[dict],
+        usage: dict | None,
+        *,
+        error: dict | None = None,
+        incomplete: str | None = None,
+    ) -> dict:
+        req = self.request
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": req.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "store": req.store,
+            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "text": self.body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": self.body.get("tool_choice", "auto"),
+            "tools": self.body.get("tools") or [],
+            "top_p": req.top_p if req.top_p is not None else 1.0,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+
+class ResponsesDialect:
+    name = "responses"
+
+    def __init__(self, stored: StoredResponses) -> None:
+        self.stored = stored
+
+    # -- in ----------------------------------------------------------------------------------
+
+    async def to_chat(self, body: dict, ctx: RequestContext) -> dict:
+        for name, why in _UNSERVABLE.items():
+            if body.get(name) not in (None, False):
+                raise _unsupported(f"'{name}' is not supported by this gateway: {why}.", name)
+        req = protocol.validate(body, ResponsesRequest)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            record = await self.stored.get(ctx.tenant_name, req.previous_response_id)
+            if record is None:
+                raise errors.ForgeError(
+                    404,
+                    f"Previous response with id '{req.previous_response_id}' not found.",
+                    type="invalid_request_error",
+                    code="previous_response_not_found",
+                    param="previous_response_id",
+                )
+            history = list(record.get("messages") or ())
+        history += input_messages(req.input)
+        ctx.turn = Turn("resp_" + uuid.uuid4().hex, req, body, history, ctx.tenant_name)
+        messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        chat: dict[str, Any] = {"model": req.model, "messages": messages + history}
+        if req.stream:
+            chat["stream"] = True
+            chat["stream_options"] = {"include_usage": True}
+        for ours, theirs in (
+            ("max_output_tokens", "max_tokens"),
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("user", "user"),
+            ("parallel_tool_calls", "parallel_tool_calls"),
+        ):
+            value = getattr(req, ours)
+            if value is not None:
+                chat[theirs] = value
+        if req.tools:
+            chat["tools"] = chat_tools(req.tools)
+        if req.tool_choice is not None:
+            chat["tool_choice"] = chat_tool_choice(req.tool_choice)
+        response_format = chat_response_format(req.text)
+        if response_format is not None:
+            chat["response_format"] = response_format
+        effort = (
+            (body.get("reasoning") or {}).get("effort")
+            if isinstance(body.get("reasoning"), dict)
+            else None
+        )
+        if isinstance(effort, str):
+            chat["reasoning_effort"] = effort
+        return chat
+
+    # -- out ---------------------------------------------------------------------------------
+
+    async def answer(self, ctx: RequestContext, response: Response) -> Response:
+        turn: Turn | None = ctx.turn
+        if turn is None:  # refused before the body was read (a 401, a 413): OpenAI's shape
+            return response
+        return await rewrite(
+            response,
+            lambda status, body: self._json(turn, status, body),
+            lambda chunks: self._stream(turn, chunks),
+        )
+
+    async def _json(self, turn: Turn, status: int, body: dict) -> tuple[int, dict]:
+        if status != 200 or not body.get("choices"):
+            return status, body  # OpenAI's error shape is the Responses API's too
+        text, calls, finish = chat_message(body["choices"][0])
+        output = ([message_item(text, "completed")] if text else []) + [
+            function_call_item(c, "completed") for c in calls
+        ]
+        incomplete = "max_output_tokens" if finish == "length" else None
+        obj = turn.response(
+            "incomplete" if incomplete else "completed",
+            output,
+            responses_usage(body.get("usage")),
+            incomplete=incomplete,
+        )
+        await self._keep(turn, obj, text, calls)
+        return status, obj
+
+    async def _keep(self, turn: Turn, obj: dict, text: str, calls: list[dict]) -> None:
+        if turn.request.store:
+            record = {"response": obj, "messages": [*turn.history, assistant_turn(text, calls)]}
+            await self.stored.put(turn.tenant, turn.id, record)
+
+    async def _stream(self, turn: Turn, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        events = _Events()
+        yield events("response.created", response=turn.response("in_progress", [], None))
+        yield events("response.in_progress", response=turn.response("in_progress", [], None))
+        output: list[dict] = []
+        message: dict | None = None  # the text item, while it is open
+        text: list[str] = []
+        calls = ToolCallDeltas()
+        items: dict[int, dict] = {}  # a tool call (by identity) → its function_call item
+        usage, finish, failed_at = None, None, False
+        async for kind, payload in chat_frames(chunks):
+            if kind == "comment":
+                yield payload
+                continue
+            if kind == "error":
+                failed = {
+                    "code": payload.get("code") or "server_error",
+                    "message": payload.get("message") or "The model backend failed.",
+                }
+                yield events(
+                    "response.failed",
+                    response=turn.response("failed", output, usage, error=failed),
+                )
+                failed_at = True
+                continue  # nothing follows; reading on lets the stream end as it ended
+            if payload.get("usage"):
+                usage = payload["usage"]
+            for choice in payload.get("choices") or ():
+                delta = choice.get("delta") or {}
+                content = delta.get("content")
+                if isinstance(content, str) and content:
+                    if message is None:
+                        message = message_item("", "in_progress")
+                        output.append(message)
+                        yield events(
+                            "response.output_item.added", output_index=len(output) - 1, item=message
+                        )
+                        yield events(
+                            "response.content_part.added",
+                            item_id=message["id"],
+                            output_index=len(output) - 1,
+                            content_index=0,
+                            part=_text_part(""),
+                        )
+                    text.append(content)
+                    yield events(
+                        "response.output_text.delta",
+                        item_id=message["id"],
+                        output_index=output.index(message),
+                        content_index=0,
+                        delta=content,
+                        logprobs=[],
+                    )
+                for opened, call, arguments in calls.feed(delta):
+                    if opened:
+                        if message is not None:
+                            for event in _text_done(events, output, message, "".join(text)):
+                                yield event
+                        item = items[id(call)] = function_call_item(call, "in_progress")
+                        item["arguments"] = ""
+                        output.append(item)
+                        yield events(
+                            "response.output_item.added", output_index=len(output) - 1, item=item
+                        )
+                    item = items[id(call)]
+                    if arguments:
+                        item["arguments"] += arguments
+                        yield events(
+                            "response.function_call_arguments.delta",
+                            item_id=item["id"],
+                            output_index=output.index(item),
+                            delta=arguments,
+                        )
+                finish = choice.get("finish_reason") or finish
+        if failed_at:
+            return
+        if message is not None and message["status"] == "in_progress":
+            for event in _text_done(events, output, message, "".join(text)):
+                yield event
+        for item in items.values():
+            item["status"] = "completed"
+            yield events(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=output.index(item),
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+            yield events("response.output_item.done", output_index=output.index(item), item=item)
+        incomplete = "max_output_tokens" if finish == "length" else None
+        obj = turn.response(
+            "incomplete" if incomplete else "completed",
+            output,
+            responses_usage(usage),
+            incomplete=incomplete,
+        )
+        await self._keep(turn, obj, "".join(text), calls.all())
+        yield events("response.incomplete" if incomplete else "response.completed", response=obj)
+
+    # -- stored responses: GET and DELETE /v1/responses/{id} ---------------------------------
+
+    async def stored_response(self, ctx: RequestContext) -> Response:
+        request: Request = ctx.request
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            if not await self.stored.delete(ctx.tenant_name, response_id):
+                raise _no_response(response_id)
+            body = {"id": response_id, "object": "response.deleted", "deleted": True}
+            return Response(orjson.dumps(body), media_type=_JSON)
+        record = await self.stored.get(ctx.tenant_name, response_id)
+        if record is None or not isinstance(record.get("response"), dict):
+            raise _no_response(response_id)
+        return Response(orjson.dumps(record["response"]), media_type=_JSON)
+
+
+class _Events:
+    """Responses stream events, numbered as the API numbers them."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return named_event(kind, payload)
+
+
+def _text_done(events: _Events, output: list[dict], message: dict, text: str) -> list[bytes]:
+    index = output.index(message)
+    message["status"] = "completed"
+    message["content"] = [_text_part(text)]
+    return [
+        events(
+            "response.output_text.done",
+            item_id=message["id"],
+            output_index=index,
+            content_index=0,
+            text=text,
+            logprobs=[],
+        ),
+        events(
+            "response.content_part.done",
+            item_id=message["id"],
+            output_index=index,
+            content_index=0,
+            part=_text_part(text),
+        ),
+        events("response.output_item.done", output_index=index, item=message),
+    ]
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(text: str, status: str) -> dict:
+    return {
+        "id": "msg_" + uuid.uuid4().hex,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)] if text else [],
+    }
+
+
+def function_call_item(call: dict, status: str) -> dict:
+    function = call.get("function") or {}
+    return {
+        "id": "fc_" + uuid.uuid4().hex,
+        "type": "function_call",
+        "status": status,
+        "call_id": call.get("id") or "call_" + uuid.uuid4().hex,
+        "name": function.get("name", ""),
+        "arguments": function.get("arguments", ""),
+    }
+
+
+def responses_usage(usage: dict | None) -> dict | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt = int(usage.get("prompt_tokens") or 0)
+    completion = int(usage.get("completion_tokens") or 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": int(cached)},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": int(reasoning)},
+        "total_tokens": prompt + completion,
+    }
+
+
+# -- the request's parts, translated ----------------------------------------------------------
+
+
+def input_messages(value: str | list[dict]) -> list[dict]:
+    """``input`` as chat messages: a text is the user's; items keep their order, and an
+    assistant's text and the function calls after it are one assistant message, as chat
+    completions has them."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages: list[dict] = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message")
+        param = f"input.{i}"
+        if kind == "message":
+            messages.append(_message(item, param))
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", param),
+                "type": "function",
+                "function": {
+                    "name": _string(item, "name", param),
+                    "arguments": _string(item, "arguments", param, empty=True),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str | list):
+                raise errors.invalid_request(
+                    f"Invalid value for '{param}.output': expected a string or content parts.",
+                    param=f"{param}.output",
+                )
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", param),
+                    "content": text_of(output, *_TEXT_PARTS),
+                }
+            )
+        elif kind == "reasoning":
+            continue  # a model's reasoning summary is not part of the next prompt
+        else:
+            raise _unsupported(
+                f"Input items of type '{kind}' are not supported by this gateway: it serves "
+                "messages, function_call and function_call_output items.",
+                f"{param}.type",
+            )
+    return messages
+
+
+def _message(item: dict, param: str) -> dict:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise errors.invalid_request(
+            f"Invalid value for '{param}.role': expected user, assistant, system or developer.",
+            param=f"{param}.role",
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise errors.invalid_request(
+            f"Invalid value for '{param}.content': expected a string or content parts.",
+            param=f"{param}.content",
+        )
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text") or part.get("refusal"), str):
+            parts.append({"type": "text", "text": part.get("text") or part.get("refusal")})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise _unsupported(
+                f"Content parts of type '{kind}' are not supported by this gateway: it serves "
+                "input_text, output_text and input_image (by URL).",
+                f"{param}.content.{j}.type",
+            )
+    if all(p["type"] == "text" for p in parts):
+        return {"role": role, "content": "".join(p["text"] for p in parts)}
+    return {"role": role, "content": parts}
+
+
+def _string(item: dict, name: str, param: str, *, empty: bool = False) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or (not value and not empty):
+        raise errors.invalid_request(
+            f"Missing required parameter: '{param}.{name}'.",
+            param=f"{param}.{name}",
+            code="missing_required_parameter",
+        )
+    return value
+
+
+def chat_tools(tools: list[dict]) -> list[dict]:
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise _unsupported(
+                f"Tools of type '{kind}' are not supported by this gateway: built-in tools run "
+                "on OpenAI's servers; declare a function tool and run it in your agent.",
+                f"tools.{i}.type",
+                code="unsupported_tool",
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise errors.invalid_request(
+                f"Missing required parameter: 'tools.{i}.name'.",
+                param=f"tools.{i}.name",
+                code="missing_required_parameter",
+            )
+        function = {
+            k: tool[k]
+            for k in ("name", "description", "parameters", "strict")
+            if tool.get(k) is not None
+        }
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise errors.invalid_request(
+                "Invalid value for 'tool_choice': expected auto, none, required or a function.",
+                param="tool_choice",
+            )
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise _unsupported(
+        f"tool_choice of type '{choice.get('type')}' is not supported by this gateway: name a "
+        'function ({"type": "function", "name": ...}) or use auto, none or required.',
+        "tool_choice",
+        code="unsupported_tool",
+    )
+
+
+def chat_response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if fmt["type"] == "json_schema" and isinstance(fmt.get("schema"), dict):
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        schema.setdefault("name", "response")
+        return {"type": "json_schema", "json_schema": schema}
+    raise errors.invalid_request(
+        "Invalid value for 'text.format': expected text, json_object, or json_schema with a "
+        "'schema'.",
+        param="text.format",
+    )
+
+
+def _unsupported(message: str, param: str, *, code: str = "unsupported_parameter"):
+    return errors.invalid_request(message, param=param, code=code)
+
+
+def _no_response(response_id: str) -> errors.ForgeError:
+    return errors.ForgeError(
+        404,
+        f"No response found with id '{response_id}'.",
+        type="invalid_request_error",
+        code="not_found",
+        param="response_id",
+    )

@@ -1,0 +1,210 @@
+"""``/v1/messages`` as the official ``anthropic`` client sees it: plain, streamed, a tool round
+trip, token counting, the key in ``x-api-key``, and every error in Anthropic's shape."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+from serve_app.gateway.server import Gateway
+from tests.dialects.conftest import ASK, STATUS_SCHEMA, anthropic_client, asgi
+from tests.gateway.test_server import CAPPED_KEY, KEY, MODEL
+
+TOOL = {
+    "name": "get_service_status",
+    "description": "A service's status",
+    "input_schema": STATUS_SCHEMA,
+}
+
+
+async def test_a_plain_message_and_its_usage(claude, oai):
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=6, system="Be brief.", messages=[{"role": "user", "content": "Hi"}]
+    )
+    chat = await oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=6,
+    )
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "text" and message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    usage = message.usage
+    # Anthropic counts cache reads apart from input_tokens; together they are the prompt.
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert 0 < usage.output_tokens <= 6
+
+
+async def test_max_tokens_that_cut_the_answer_say_so(claude):
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Tell me more"}]
+    )
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 1
+
+
+async def test_a_streamed_tool_round_trip(claude):
+    ask = [{"role": "user", "content": ASK}]
+    async with claude.messages.stream(
+        model=MODEL, max_tokens=64, messages=ask, tools=[TOOL]
+    ) as stream:
+        kinds = [event.type async for event in stream]
+        first = await stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "input_json" in kinds and "message_delta" in kinds
+    (call,) = first.content
+    assert call.type == "tool_use" and call.input == {"service": "checkout"}
+    assert first.stop_reason == "tool_use"
+    follow = [
+        *ask,
+        {"role": "assistant", "content": [c.model_dump() for c in first.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "up"}],
+        },
+    ]
+    async with claude.messages.stream(
+        model=MODEL, max_tokens=16, messages=follow, tools=[TOOL]
+    ) as stream:
+        text = "".join([t async for t in stream.text_stream])
+        answer = await stream.get_final_message()
+    assert text and answer.content[0].text == text
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+
+
+async def test_tool_choice_any_and_no_parallel_calls(claude):
+    ticket = {"name": "open_ticket", "input_schema": {"type": "object", "properties": {}}}
+    ask = [{"role": "user", "content": "Check the service status and open a ticket"}]
+    both = await claude.messages.create(
+        model=MODEL, max_tokens=64, messages=ask, tools=[TOOL, ticket]
+    )
+    one = await claude.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=ask,
+        tools=[TOOL, ticket],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )
+    named = await claude.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Hello"}],
+        tools=[TOOL, ticket],
+        tool_choice={"type": "tool", "name": "open_ticket"},
+    )
+    assert [b.name for b in both.content] == ["get_service_status", "open_ticket"]
+    assert [b.name for b in one.content] == ["get_service_status"]
+    assert [b.name for b in named.content] == ["open_ticket"]
+
+
+async def test_count_tokens_is_what_the_budgets_reserve(claude):
+    ask = [{"role": "user", "content": "Hello, Forge"}]
+    counted = await claude.messages.count_tokens(model=MODEL, messages=ask, system="Be brief.")
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=2, messages=ask, system="Be brief."
+    )
+    usage = message.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
+
+
+async def test_a_bearer_key_works_as_well_as_x_api_key(gateway: Gateway):
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    async with asgi(gateway) as http:
+        bearer = await http.post(
+            "/v1/messages", json=body, headers={"authorization": f"Bearer {KEY}"}
+        )
+        api_key = await http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+        wrong = await http.post("/v1/messages", json=body, headers={"x-api-key": "sk-wrong"})
+    assert bearer.status_code == api_key.status_code == 200
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind"),
+    [
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": "nope", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+            404,
+            "not_found_error",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": [{"type": "document"}]}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+    ],
+)
+async def test_errors_are_in_anthropics_shape(gateway: Gateway, body, status, kind):
+    async with asgi(gateway) as http:
+        answer = await http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert answer.status_code == status, answer.text
+    payload = answer.json()
+    assert payload["type"] == "error" and payload["error"]["type"] == kind
+    assert payload["error"]["message"] and payload["request_id"] == answer.headers["x-request-id"]
+
+
+async def test_the_sdk_raises_what_it_would_against_anthropic(gateway: Gateway):
+    async with anthropic_client(gateway, "sk-wrong") as wrong:
+        with pytest.raises(anthropic.AuthenticationError):
+            await wrong.messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+            )
+    async with anthropic_client(gateway, CAPPED_KEY) as capped:
+        for _ in range(2):
+            await capped.messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+            )
+        with pytest.raises(anthropic.RateLimitError) as shed:
+            await capped.messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+            )
+    assert int(shed.value.response.headers["retry-after"]) >= 1
+
+
+async def test_failing_replicas_fail_the_message_over_to_the_fallback(gateway: Gateway, claude):
+    for replica in gateway.backends["primary"].replicas.values():
+        replica.set_fault({"mode": "error"})
+    raw = await claude.messages.with_raw_response.create(
+        model=MODEL, max_tokens=32, messages=[{"role": "user", "content": ASK}], tools=[TOOL]
+    )
+    assert raw.headers["x-forge-backend"] == "fallback"
+    message = await raw.parse()
+    assert message.content and message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+async def test_a_stream_that_breaks_after_its_first_byte_ends_with_an_error_event(
+    gateway: Gateway, claude
+):
+    for replica in gateway.backends["primary"].replicas.values():
+        replica.set_fault({"mode": "die_mid_stream", "after_frames": 6, "exit_process": False})
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        async with claude.messages.stream(
+            model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "Hello"}]
+        ) as stream:
+            async for _ in stream:
+                pass
+    assert failed.value.body["error"]["type"] == "api_error"

@@ -1,0 +1,245 @@
+"""``/v1/responses`` as the official ``openai`` client and the OpenAI Agents SDK see it: plain,
+streamed, with function tools, structured output, stored conversations, and the pipeline's
+budgets, failover and refusals on this route."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from serve_app.gateway.server import Gateway
+from tests.dialects.conftest import ASK, OTHER_KEY, STATUS_SCHEMA, asgi, openai_client
+from tests.gateway.test_server import CAPPED_KEY, KEY, MODEL
+
+TOOL = {"type": "function", "name": "get_service_status", "parameters": STATUS_SCHEMA}
+
+
+async def test_a_plain_response_counts_the_prompt_as_the_same_chat_does(oai):
+    response = await oai.responses.create(
+        model=MODEL, instructions="Be brief.", input="Hello, Forge", max_output_tokens=6
+    )
+    chat = await oai.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello, Forge"},
+        ],
+        max_tokens=6,
+    )
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status in ("completed", "incomplete")
+    assert response.output_text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert 0 < response.usage.output_tokens <= 6
+    assert response.usage.total_tokens == (
+        response.usage.input_tokens + response.usage.output_tokens
+    )
+
+
+async def test_max_output_tokens_that_cut_the_answer_make_it_incomplete(oai):
+    response = await oai.responses.create(model=MODEL, input="Tell me more", max_output_tokens=1)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 1
+
+
+async def test_a_stream_is_the_event_sequence_the_client_assembles(oai):
+    async with oai.responses.stream(model=MODEL, input="Hello", max_output_tokens=8) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
+    assert "response.output_text.delta" in kinds
+    assert final.output_text and final.usage.output_tokens > 0
+    sequence = [kind for kind in kinds if kind != "response.output_text.delta"]
+    assert sequence[2:7] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+
+
+async def test_a_function_call_and_its_output_continue_by_previous_response_id(oai):
+    first = await oai.responses.create(model=MODEL, input=ASK, tools=[TOOL])
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_service_status"
+    assert json.loads(call.arguments) == {"service": "checkout"}
+    follow = await oai.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "up"}],
+        tools=[TOOL],
+    )
+    assert follow.previous_response_id == first.id
+    assert follow.output_text  # the tool's result is in: the model answers
+    # The follow-up's prompt is the whole conversation: more than the first one's.
+    assert follow.usage.input_tokens > first.usage.input_tokens
+
+
+async def test_streamed_function_call_arguments_arrive_as_deltas(oai):
+    async with oai.responses.stream(model=MODEL, input=ASK, tools=[TOOL]) as stream:
+        deltas = [
+            e.delta async for e in stream if e.type == "response.function_call_arguments.delta"
+        ]
+        final = await stream.get_final_response()
+    (call,) = final.output
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments
+    assert json.loads(call.arguments) == {"service": "checkout"}
+
+
+async def test_parallel_calls_and_a_named_tool_choice(oai):
+    ticket = {
+        "type": "function",
+        "name": "open_ticket",
+        "parameters": {"type": "object", "properties": {"title": {"type": "string"}}},
+    }
+    both = await oai.responses.create(
+        model=MODEL, input="Check the service status and open a ticket", tools=[TOOL, ticket]
+    )
+    one = await oai.responses.create(
+        model=MODEL,
+        input="Check the service status and open a ticket",
+        tools=[TOOL, ticket],
+        parallel_tool_calls=False,
+    )
+    named = await oai.responses.create(
+        model=MODEL,
+        input="Hello",
+        tools=[TOOL, ticket],
+        tool_choice={"type": "function", "name": "open_ticket"},
+    )
+    assert [c.name for c in both.output] == ["get_service_status", "open_ticket"]
+    assert [c.name for c in one.output] == ["get_service_status"]
+    assert [c.name for c in named.output] == ["open_ticket"]
+
+
+async def test_parse_validates_structured_output_against_the_model(oai):
+    class Status(BaseModel):
+        service: str
+        healthy: bool
+
+    parsed = await oai.responses.parse(model=MODEL, input="Status?", text_format=Status)
+    assert isinstance(parsed.output_parsed, Status)
+    assert parsed.text.format.type == "json_schema"
+
+
+async def test_stored_responses_belong_to_their_tenant_and_can_be_deleted(gateway: Gateway, oai):
+    kept = await oai.responses.create(model=MODEL, input="Hello", max_output_tokens=4)
+    unkept = await oai.responses.create(
+        model=MODEL, input="Hello", max_output_tokens=4, store=False
+    )
+    assert (await oai.responses.retrieve(kept.id)).output_text == kept.output_text
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.retrieve(unkept.id)
+    async with openai_client(gateway, OTHER_KEY) as other:
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.retrieve(kept.id)
+        with pytest.raises(openai.NotFoundError) as refused:
+            await other.responses.create(model=MODEL, input="Hi", previous_response_id=kept.id)
+    assert refused.value.code == "previous_response_not_found"
+    await oai.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.retrieve(kept.id)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"background": True}, "background"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+        ({"max_output_tokens": "16"}, "max_output_tokens"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+    ],
+)
+async def test_what_cannot_be_served_is_a_400_naming_the_field(gateway: Gateway, extra, param):
+    body = {"model": MODEL, "input": "Hello", **extra}
+    async with asgi(gateway) as http:
+        answer = await http.post(
+            "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"}
+        )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+async def test_a_wrong_key_is_a_401_on_every_responses_route(gateway: Gateway):
+    async with openai_client(gateway, "sk-wrong") as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.responses.create(model=MODEL, input="Hello")
+        with pytest.raises(openai.AuthenticationError):
+            await client.responses.retrieve("resp_x")
+
+
+async def test_the_routes_share_a_tenants_request_budget(gateway: Gateway):
+    async with openai_client(gateway, CAPPED_KEY) as capped:
+        await capped.responses.create(model=MODEL, input="one", max_output_tokens=2)
+        await capped.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "two"}], max_tokens=2
+        )
+        with pytest.raises(openai.RateLimitError) as shed:
+            await capped.responses.create(model=MODEL, input="three", max_output_tokens=2)
+    assert int(shed.value.response.headers["retry-after"]) >= 1
+
+
+async def test_failing_replicas_fail_the_response_over_to_the_fallback(gateway: Gateway, oai):
+    for replica in gateway.backends["primary"].replicas.values():
+        replica.set_fault({"mode": "error"})
+    raw = await oai.responses.with_raw_response.create(
+        model=MODEL, input=ASK, tools=[TOOL], max_output_tokens=32
+    )
+    assert raw.headers["x-forge-backend"] == "fallback"
+    response = raw.parse()
+    assert response.status in ("completed", "incomplete") and response.output
+
+
+async def test_a_stream_that_breaks_after_its_first_byte_ends_as_response_failed(
+    gateway: Gateway, oai
+):
+    for replica in gateway.backends["primary"].replicas.values():
+        replica.set_fault({"mode": "die_mid_stream", "after_frames": 6, "exit_process": False})
+    async with oai.responses.stream(model=MODEL, input="Hello", max_output_tokens=32) as stream:
+        kinds = [event.type async for event in stream]
+    assert kinds[0] == "response.created"
+    assert kinds[-1] == "response.failed"
+    assert "response.completed" not in kinds
+
+
+async def test_the_agents_sdk_runs_a_tool_using_agent_to_its_final_output(
+    gateway: Gateway, monkeypatch
+):
+    """The Agents SDK with its defaults (the Responses API), plain and streamed."""
+    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")  # its exporter calls OpenAI
+    from agents import Agent, Runner, function_tool, set_default_openai_client
+
+    asked: list[str] = []
+
+    @function_tool
+    def get_service_status(service: str) -> str:
+        """The status of a service."""
+        asked.append(service)
+        return f"{service} is up"
+
+    set_default_openai_client(openai_client(gateway), use_for_tracing=False)
+    agent = Agent(
+        name="ops", instructions="Use the tools.", tools=[get_service_status], model=MODEL
+    )
+    result = await Runner.run(agent, ASK)
+    streamed = Runner.run_streamed(agent, ASK)
+    kinds = [event.type async for event in streamed.stream_events()]
+    assert asked == ["checkout", "checkout"]
+    assert isinstance(result.final_output, str) and result.final_output
+    assert [type(i).__name__ for i in result.new_items] == [
+        "ToolCallItem",
+        "ToolCallOutputItem",
+        "MessageOutputItem",
+    ]
+    assert streamed.final_output and "raw_response_event" in kinds
