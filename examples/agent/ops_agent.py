@@ -60,9 +60,17 @@ def build_agent(base_url: str, key: str, model: str, **chat_options):
     return create_react_agent(llm, TOOLS)
 
 
-def run(question: str, base_url: str, key: str, model: str, stream: bool = False) -> list:
-    """The conversation's messages after the agent is done (the question first)."""
-    agent = build_agent(base_url, key, model, streaming=stream)
+def run(
+    question: str,
+    base_url: str,
+    key: str,
+    model: str,
+    stream: bool = False,
+    responses_api: bool = False,
+) -> list:
+    """The conversation's messages after the agent is done (the question first); with
+    ``responses_api``, the model is called on ``/v1/responses`` instead of chat completions."""
+    agent = build_agent(base_url, key, model, streaming=stream, use_responses_api=responses_api)
     state = agent.invoke({"messages": [("user", question)]}, {"recursion_limit": 8})
     return state["messages"]
 

@@ -21,13 +21,21 @@ def assert_called_then_answered(messages: list, tool: str) -> None:
     assert calls and calls[0].tool_calls[0]["name"] == tool, messages
     assert results and json.loads(results[0].content)["status"] == "degraded", results
     final = messages[-1]
-    assert isinstance(final, AIMessage) and not final.tool_calls and final.content.strip()
+    # ``text``: on the Responses API an answer's content is a list of blocks.
+    assert isinstance(final, AIMessage) and not final.tool_calls and final.text.strip()
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_the_agent_calls_a_tool_reads_its_result_and_answers(forge_url, stream):
+@pytest.mark.parametrize(
+    ("stream", "responses_api"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_the_agent_calls_a_tool_reads_its_result_and_answers(forge_url, stream, responses_api):
     messages = ops_agent.run(
-        "What is the service status of checkout?", f"{forge_url}/v1", KEY, "forge-sim", stream
+        "What is the service status of checkout?",
+        f"{forge_url}/v1",
+        KEY,
+        "forge-sim",
+        stream,
+        responses_api,
     )
     assert_called_then_answered(messages, "get_service_status")
 

@@ -199,3 +199,124 @@ def test_openai_node_client(forge_url, mode):
         assert out["norms"] == pytest.approx([1.0, 1.0], abs=1e-4)
     else:
         assert out["text"] and out["completion_tokens"] > 0
+
+
+# -- the Responses and Messages APIs ----------------------------------------------------------
+
+RESPONSES_TOOL = {
+    "type": "function",
+    "name": "get_service_status",
+    **{"parameters": STATUS_TOOL["function"]["parameters"]},
+}
+QUESTION = ASK[0]["content"]
+
+
+def test_openai_responses_create_stream_and_parse(forge_url):
+    from pydantic import BaseModel
+
+    class Status(BaseModel):
+        service: str
+        healthy: bool
+
+    with openai.OpenAI(base_url=f"{forge_url}/v1", api_key=KEY, max_retries=0) as client:
+        plain = client.responses.create(model=MODEL, input="Hello", max_output_tokens=8)
+        with client.responses.stream(model=MODEL, input=QUESTION, tools=[RESPONSES_TOOL]) as s:
+            kinds = [event.type for event in s]
+            streamed = s.get_final_response()
+        parsed = client.responses.parse(model=MODEL, input="Status?", text_format=Status)
+    assert plain.output_text and plain.usage.output_tokens > 0
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    (call,) = streamed.output
+    assert json.loads(call.arguments) == {"service": "checkout"}
+    assert isinstance(parsed.output_parsed, Status)
+
+
+async def test_openai_agents_sdk_with_its_defaults(forge_url, monkeypatch):
+    """Nothing set but the base URL and the key (the SDK's own environment variables): the
+    SDK picks the Responses API itself; a run plain, then streamed (in one event loop: the SDK
+    keeps the client it made for the next run). Its trace exporter would call OpenAI: off."""
+    import agents
+    from agents.models import _openai_shared
+
+    monkeypatch.setattr(_openai_shared, "_default_openai_client", None)
+    monkeypatch.setenv("OPENAI_BASE_URL", f"{forge_url}/v1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    asked = []
+
+    @agents.function_tool
+    def get_service_status(service: str) -> str:
+        """The status of a service."""
+        asked.append(service)
+        return f"{service}: degraded"
+
+    agent = agents.Agent(
+        name="ops", instructions="Use the tools.", tools=[get_service_status], model=MODEL
+    )
+    plain = await agents.Runner.run(agent, QUESTION)
+    streamed = agents.Runner.run_streamed(agent, QUESTION)
+    kinds = {event.type async for event in streamed.stream_events()}
+    assert asked == ["checkout", "checkout"]
+    for run in (plain, streamed):
+        assert isinstance(run.final_output, str) and run.final_output.strip()
+    assert "raw_response_event" in kinds  # the Responses events, as the SDK relays them
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_pydantic_ai_on_the_responses_api(forge_url, stream):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIResponsesModel(
+        MODEL, provider=OpenAIProvider(base_url=f"{forge_url}/v1", api_key=KEY)
+    )
+    agent = Agent(model, instructions="Use the tools.")
+    asked = []
+
+    @agent.tool_plain
+    def get_service_status(service: str) -> str:
+        """The status of a service."""
+        asked.append(service)
+        return f"{service}: degraded"
+
+    if stream:
+        async with agent.run_stream(QUESTION) as run:
+            output = await run.get_output()
+    else:
+        output = (await agent.run(QUESTION)).output
+    assert asked == ["checkout"]
+    assert isinstance(output, str) and output.strip()
+
+
+def test_anthropic_messages_create_stream_and_a_tool_round_trip(forge_url):
+    import anthropic
+
+    tool = {"name": "get_service_status", **{"input_schema": STATUS_TOOL["function"]["parameters"]}}
+    with anthropic.Anthropic(base_url=forge_url, api_key=KEY, max_retries=0) as client:
+        plain = client.messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}]
+        )
+        with client.messages.stream(
+            model=MODEL, max_tokens=64, messages=ASK, tools=[tool]
+        ) as stream:
+            first = stream.get_final_message()
+        (call,) = first.content
+        follow = [
+            *ASK,
+            {"role": "assistant", "content": [call.model_dump()]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "up"}],
+            },
+        ]
+        with client.messages.stream(
+            model=MODEL, max_tokens=16, messages=follow, tools=[tool]
+        ) as stream:
+            text = "".join(stream.text_stream)
+        counted = client.messages.count_tokens(model=MODEL, messages=ASK)
+    assert plain.content[0].text and plain.usage.output_tokens > 0
+    assert call.type == "tool_use" and call.input == {"service": "checkout"}
+    assert first.stop_reason == "tool_use"
+    assert text.strip()
+    assert counted.input_tokens > 0

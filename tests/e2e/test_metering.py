@@ -1,11 +1,12 @@
 """Metering is exact: after a mixed run, a tenant's usage report equals what the backends
 themselves counted, token for token, and Prometheus says the same.
 
-The run mixes what makes metering hard: streams and non-streams, cache hits, clients that leave
-mid-stream (charged what the engine produced, collected from the replica after the abort), and
-requests whose first try failed on the pool and were served by the fallback (charged once). The
-ground truth is the engines' own cumulative counters: the metered pool's replicas (nobody else
-sends to them) and the mock fallback's engine (``GET /mock/stats``), read before and after.
+The run mixes what makes metering hard, on the chat, Responses and Messages routes alike:
+streams and non-streams, cache hits, clients that leave mid-stream (charged what the engine
+produced, collected from the replica after the abort), and requests whose first try failed on
+the pool and were served by the fallback (charged once). The ground truth is the engines' own
+cumulative counters: the metered pool's replicas (nobody else sends to them) and the mock
+fallback's engine (``GET /mock/stats``), read before and after.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -31,6 +33,9 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "forge-metered"
 PLAIN, STREAMED, CACHED, DROPPED, FAILED_OVER = 8, 8, 4, 6, 6
+# Per dialect (the Responses and Messages APIs): plain and streamed; a cache miss then a hit as
+# a stream; and one request failed over.
+SPOKEN = 3
 
 
 def engine_counts(forge_url: str) -> dict[str, int]:
@@ -115,13 +120,57 @@ async def mixed_run(forge_url: str, faults) -> int:
                 if seen == 5:
                     return  # leaves mid-stream: the connection closes
 
-    async with client:
+    claude = anthropic.AsyncAnthropic(base_url=forge_url, api_key=key, max_retries=0)
+
+    def said(i: int) -> str:
+        return f"metering request {i}: tell me about gateways"
+
+    async def response(i: int, stream: bool = False, **extra) -> str:
+        raw = await client.responses.with_raw_response.create(
+            model=MODEL, input=said(i), max_output_tokens=24, stream=stream, **extra
+        )
+        if stream:
+            async for _ in raw.parse():
+                pass
+        return raw.headers["x-forge-cache"]
+
+    async def message(i: int, stream: bool = False, temperature: float | None = None) -> str:
+        ask = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": said(i)}]}
+        # Today's SDK has no sampling parameters (newer Claude models refuse them); the route
+        # takes them, as older SDKs and raw HTTP clients send them.
+        extra = {"extra_body": {"temperature": temperature}} if temperature is not None else {}
+        if not stream:
+            return (await claude.messages.with_raw_response.create(**ask, **extra)).headers[
+                "x-forge-cache"
+            ]
+        async with claude.messages.with_streaming_response.create(
+            **ask, **extra, stream=True
+        ) as raw:
+            async for _ in raw.iter_lines():
+                pass
+            return raw.headers["x-forge-cache"]
+
+    async with client, claude:
         await asyncio.gather(
             *(client.chat.completions.create(**ask(i), max_tokens=24) for i in range(PLAIN)),
             *(streamed(100 + i, max_tokens=24) for i in range(STREAMED)),
             *(dropped(200 + i) for i in range(DROPPED)),
+            *(response(500 + i, stream=i % 2 == 1) for i in range(SPOKEN)),
+            *(message(600 + i, stream=i % 2 == 1) for i in range(SPOKEN)),
         )
-        sent = PLAIN + STREAMED + DROPPED
+        sent = PLAIN + STREAMED + DROPPED + 2 * SPOKEN
+        # A miss, then a hit as this API's stream. Each its own prompt: the two APIs'
+        # translations of one question are one chat request, and share its cache entry.
+        for i, speak in enumerate((response, message)):
+            await speak(700 + i, temperature=0)
+            sent += 1
+            for _ in range(50):
+                sent += 1
+                if await speak(700 + i, stream=True, temperature=0) == "hit":
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"a temperature-0 repeat on {speak.__name__} never hit")
         for i in range(CACHED):  # a miss, then a hit in the other shape
             await client.chat.completions.create(**ask(300 + i), temperature=0, max_tokens=16)
             sent += 1
@@ -142,7 +191,16 @@ async def mixed_run(forge_url: str, faults) -> int:
             )
         )
         assert [r.headers["x-forge-backend"] for r in served] == ["fallback"] * FAILED_OVER
-        return sent + FAILED_OVER
+        spoken = await asyncio.gather(
+            client.responses.with_raw_response.create(
+                model=MODEL, input=said(800), max_output_tokens=12
+            ),
+            claude.messages.with_raw_response.create(
+                model=MODEL, max_tokens=12, messages=[{"role": "user", "content": said(801)}]
+            ),
+        )
+        assert [r.headers["x-forge-backend"] for r in spoken] == ["fallback"] * 2
+        return sent + FAILED_OVER + 2
 
 
 def test_usage_equals_the_backends_own_counts_exactly(forge_url, metrics_port, faults):
@@ -174,9 +232,9 @@ def test_usage_equals_the_backends_own_counts_exactly(forge_url, metrics_port, f
     assert used["estimated_requests"] == 0, used
     assert used["prompt_tokens"] == generated["prompt_tokens"], (used, generated)
     assert used["completion_tokens"] == generated["completion_tokens"], (used, generated)
-    assert used["cached_requests"] == CACHED
+    assert used["cached_requests"] == CACHED + 2  # and one per dialect
     assert used["cached_tokens"] > 0
-    assert used["fallback_requests"] == FAILED_OVER
+    assert used["fallback_requests"] == FAILED_OVER + 2
 
     def prometheus_agrees() -> bool:
         counted = delta(prometheus_tokens(metrics_port), prometheus_before)

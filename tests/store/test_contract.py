@@ -261,6 +261,16 @@ async def test_cache_round_trip_absent_and_overwrite(store: Store) -> None:
     assert await store.cache_get("cache:empty") == b""
 
 
+async def test_cache_delete_says_whether_the_key_held_a_value(store: Store) -> None:
+    await store.cache_put("cache:gone", b"v", 10)
+    await store.cache_put("cache:kept", b"w", 10)
+    assert await store.cache_delete("cache:gone") is True
+    assert await store.cache_delete("cache:gone") is False
+    assert await store.cache_delete("cache:never") is False
+    assert await store.cache_get("cache:gone") is None
+    assert await store.cache_get("cache:kept") == b"w"
+
+
 async def test_cache_entry_expires_after_its_ttl(store: Store, passing: Passage) -> None:
     await store.cache_put("cache:short", b"v", 0.3)
     await store.cache_put("cache:long", b"v", 10)
