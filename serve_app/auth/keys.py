@@ -84,7 +84,9 @@ class AdminKeys:
 def bearer_token(authorization: str | None) -> str:
     """The token of ``Bearer <token>``; a 401 for anything else."""
     if not authorization:
-        raise errors.invalid_api_key("Missing API key: send 'Authorization: Bearer <key>'.")
+        raise errors.invalid_api_key(
+            "Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."
+        )
     scheme, _, token = authorization.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:

@@ -263,9 +263,13 @@ def anthropic_usage(usage: dict | None) -> dict:
 def anthropic_error(status: int, error: dict, request_id: str) -> dict:
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     message = error.get("message") if isinstance(error.get("message"), str) else None
+    message = message or "The request failed."
+    param = error.get("param")
+    if isinstance(param, str) and param and not message.startswith(param):
+        message = f"{param}: {message}"  # as Anthropic names the field: there is no param
     return {
         "type": "error",
-        "error": {"type": kind, "message": message or "The request failed."},
+        "error": {"type": kind, "message": message},
         "request_id": request_id or None,
     }
 
@@ -388,7 +392,13 @@ def chat_tools(tools: list[dict]) -> list[dict]:
                 code="unsupported_tool",
             )
         name = _string(tool, "name", f"tools.{i}")
-        function: dict = {"name": name, "parameters": tool.get("input_schema") or {}}
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise errors.invalid_request(
+                f"Invalid value for 'tools.{i}.input_schema': expected a JSON schema object.",
+                param=f"tools.{i}.input_schema",
+            )
+        function: dict = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})

@@ -523,6 +523,11 @@ def chat_tools(tools: list[dict]) -> list[dict]:
             for k in ("name", "description", "parameters", "strict")
             if tool.get(k) is not None
         }
+        if not isinstance(function.get("parameters", {}), dict):
+            raise errors.invalid_request(
+                f"Invalid value for 'tools.{i}.parameters': expected a JSON schema object.",
+                param=f"tools.{i}.parameters",
+            )
         out.append({"type": "function", "function": function})
     return out
 

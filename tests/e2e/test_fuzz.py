@@ -61,6 +61,9 @@ SERVED_MODEL = {
     "/v1/chat/completions": "forge-sim",
     "/v1/completions": "forge-sim",
     "/v1/embeddings": "forge-embed",
+    "/v1/responses": "forge-sim",
+    "/v1/messages": "forge-sim",
+    "/v1/messages/count_tokens": "forge-sim",
 }
 CASE_TIMEOUT_S = 20.0  # a case not answered by then is a hang
 # What the fuzz finds today, each a gateway bug to fix: (method, path, mode) → the reason. The
@@ -71,6 +74,11 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
     ("GET", "/v1/models"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
@@ -89,6 +97,30 @@ def _auth(path: str) -> dict[str, str]:
     if path.startswith("/v1/"):
         return {"authorization": f"Bearer {tenant_key(TENANT)}"}
     return {}  # /healthz, /readyz
+
+
+def anthropic_error(content_type: str, content: bytes) -> dict:
+    """``{"type": "error", "error": {"type", "message"}}``: every error of the Messages routes."""
+    assert content_type.startswith("application/json"), (content_type, content[:300])
+    body = json.loads(content)
+    assert body["type"] == "error", body
+    error = body["error"]
+    assert isinstance(error["message"], str) and isinstance(error["type"], str), error
+    assert "Traceback" not in error["message"], error
+    return {"code": error["type"]}
+
+
+def assert_named_events(content: bytes, last: set[str]) -> None:
+    """A Responses or Messages stream: every event named, its data JSON of that type, and it
+    ends with one of ``last`` (the answer's end, or the error that ends it)."""
+    events = [e for e in content.decode().split("\n\n") if e.strip()]
+    assert events, content[:300]
+    kinds = []
+    for event in events:
+        lines = dict(line.split(": ", 1) for line in event.splitlines())
+        assert json.loads(lines["data"])["type"] == lines["event"], event
+        kinds.append(lines["event"])
+    assert kinds[-1] in last, kinds
 
 
 def assert_sse(content: bytes) -> None:
@@ -239,15 +271,23 @@ def test_fuzz(api_schema, forge_url, fuzz_log, http, method, path, mode):
     def check(case: schemathesis.Case, response: schemathesis.Response) -> None:
         status, content_type = response.status_code, response.headers.get("content-type", [""])[0]
         code = None
+        anthropic = path.startswith("/v1/messages")
         if 400 <= status < 500:
-            code = str(openai_error(content_type, response.content)["code"])
+            error = (anthropic_error if anthropic else openai_error)(content_type, response.content)
+            code = str(error["code"])
         fuzz_log.record(operation.label, case.meta.generation.mode.value, status, code)
         assert status < 500, f"{status} {response.text[:300]}"
         excluded = [ignored_auth]
         if content_type.startswith("text/event-stream"):
             # The schema's event description is not what Schemathesis reads it as (see
             # test_the_schema_describes_a_streamed_event): the stream is checked here instead.
-            assert_sse(response.content)
+            if anthropic:
+                assert_named_events(response.content, {"message_stop", "error"})
+            elif path == "/v1/responses":
+                ends = {"response.completed", "response.incomplete", "response.failed"}
+                assert_named_events(response.content, ends)
+            else:
+                assert_sse(response.content)
             excluded.append(response_schema_conformance)
         case.validate_response(response, excluded_checks=excluded)
 
@@ -301,11 +341,20 @@ def test_the_operations_are_the_schemas(forge_url):
 @pytest.mark.parametrize(("method", "path"), SECURED)
 def test_every_secured_operation_refuses_a_missing_or_wrong_key(forge_url, method, path):
     body = {"pool": NO_SUCH_POOL, "fault": {"mode": "none"}} if path == "/admin/faults" else {}
-    for headers in ({}, {"authorization": "Bearer sk-fuzz-wrong-key"}):
+    wrong = [{}, {"authorization": "Bearer sk-fuzz-wrong-key"}]
+    if path.startswith("/v1/"):
+        wrong.append({"x-api-key": "sk-fuzz-wrong-key"})  # the inference routes take it too
+    for headers in wrong:
         response = httpx.request(
             method, f"{forge_url}{path}", json=body, headers=headers, timeout=10
         )
-        assert_openai_error(response, 401, "invalid_api_key")
+        if path.startswith("/v1/messages"):  # Anthropic's shape on its routes
+            assert response.status_code == 401, response.text
+            assert anthropic_error("application/json", response.content) == {
+                "code": "authentication_error"
+            }
+        else:
+            assert_openai_error(response, 401, "invalid_api_key")
 
 
 def test_the_gateway_is_whole_after_the_fuzz(forge_url, books):

@@ -336,6 +336,104 @@ def test_a_body_that_is_not_a_readable_request_is_refused(forge_url, body, statu
     assert_openai_error(chat(forge_url, body), status, code)
 
 
+def _deep(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# The Responses and Messages routes: what their own fields can be made to carry. Each is a 400
+# naming the field (the Messages route in Anthropic's shape), never a 5xx, and the tenant's
+# budgets are whole afterwards (test_the_tenant_is_whole_after_the_hostile_cases).
+SPOKEN_HOSTILE = [
+    ("/v1/responses", {"input": [1, "x"]}, "input.0"),
+    (
+        "/v1/responses",
+        {"input": [{"type": "function_call_output", "output": "x"}]},
+        "input.0.call_id",
+    ),
+    (
+        "/v1/responses",
+        {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        "input.0.content.0.type",
+    ),
+    (
+        "/v1/responses",
+        {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]},
+        "tools.0.parameters",
+    ),
+    (
+        "/v1/responses",
+        {"input": "hi", "previous_response_id": "resp_" + "9" * 5000},
+        "previous_response_id",
+    ),
+    (
+        "/v1/responses",
+        {"input": [{"role": "user", "content": _deep(500)}]},
+        "input.0.content.0.type",
+    ),
+    ("/v1/responses", {"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    (
+        "/v1/messages",
+        {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+        "messages.0.content.0.tool_use_id",
+    ),
+    (
+        "/v1/messages",
+        {
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": [1]}],
+        },
+        "tools.0.input_schema",
+    ),
+    (
+        "/v1/messages",
+        {"max_tokens": 4, "messages": [{"role": "user", "content": _deep(500)}]},
+        "messages.0.content.0.type",
+    ),
+    (
+        "/v1/messages",
+        {"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]},
+        "max_tokens",
+    ),
+    (
+        "/v1/messages",
+        {
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": {"type": "tool"},
+        },
+        "tool_choice",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), SPOKEN_HOSTILE)
+def test_a_responses_or_messages_body_that_cannot_be_served_is_a_named_400(
+    forge_url, path, extra, param
+):
+    body = {"model": "forge-sim", **extra}
+    answer = httpx.post(
+        f"{forge_url}{path}",
+        json=body,
+        headers={"authorization": f"Bearer {tenant_key(TENANT)}"},
+        timeout=30,
+    )
+    assert answer.status_code in (400, 404), (answer.status_code, answer.text[:300])
+    if path == "/v1/messages":
+        payload = answer.json()
+        assert payload["type"] == "error" and payload["error"]["type"] in (
+            "invalid_request_error",
+            "not_found_error",
+        ), payload
+        assert param.split(".")[0] in payload["error"]["message"], payload
+    else:
+        error = assert_openai_error(answer, answer.status_code)
+        assert (error["param"] or "").startswith(param.split(".")[0]), error
+
+
 @pytest.mark.parametrize(
     "body",
     [
