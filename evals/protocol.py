@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -108,6 +109,80 @@ async def unknown_model_is_404(target: Target, served: Served) -> None:
     expect(error["code"] == "model_not_found", f"code {error['code']!r}")
 
 
+def _events(text: str) -> list[tuple[str, dict]]:
+    """A Responses or Messages stream's events: (the event line, its JSON data)."""
+    out = []
+    for block in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "event" in fields and "data" in fields:
+            out.append((fields["event"], json.loads(fields["data"])))
+    return out
+
+
+async def responses_route(target: Target, served: Served) -> str:
+    """``/v1/responses`` as the Agents SDK and Codex use it: an answer, its stream, a stored
+    response read back and deleted, ``store: false`` leaving nothing."""
+    body = {"model": target.model, "input": "Say hello.", "max_output_tokens": 8}
+    async with target.http() as client:
+        plain = await client.post("/v1/responses", json=body)
+        expect(plain.status_code == 200, f"{plain.status_code}: {plain.text[:160]}")
+        served.saw(plain.headers.get("x-forge-backend"))
+        response = plain.json()
+        expect(response["object"] == "response", f"object {response.get('object')!r}")
+        expect(response["status"] in ("completed", "incomplete"), f"{response['status']!r}")
+        expect(response["usage"]["output_tokens"] > 0, f"usage {response['usage']}")
+        stored = await client.get(f"/v1/responses/{response['id']}")
+        expect(stored.status_code == 200, f"GET a stored response: {stored.status_code}")
+        expect(stored.json()["id"] == response["id"], "GET answered another response")
+        deleted = await client.delete(f"/v1/responses/{response['id']}")
+        expect(deleted.status_code == 200, f"DELETE: {deleted.status_code}")
+        gone = await client.get(f"/v1/responses/{response['id']}")
+        _openai_error(gone, 404, "a deleted response")
+        unkept = await client.post("/v1/responses", json=body | {"store": False})
+        expect(unkept.status_code == 200, f"store false: {unkept.status_code}")
+        absent = await client.get(f"/v1/responses/{unkept.json()['id']}")
+        _openai_error(absent, 404, "a response sent with store: false")
+        streamed = await client.post("/v1/responses", json=body | {"stream": True})
+    kinds = [kind for kind, _ in _events(streamed.text)]
+    expect(streamed.status_code == 200, f"stream: {streamed.status_code}")
+    expect(kinds[:1] == ["response.created"], f"a stream that starts with {kinds[:1]}")
+    expect(
+        kinds[-1:] in (["response.completed"], ["response.incomplete"]),
+        f"a stream that ends with {kinds[-1:]}",
+    )
+    return f"{len(kinds)} events streamed; stored, read back, deleted"
+
+
+async def messages_route(target: Target, served: Served) -> str:
+    """``/v1/messages`` as Claude Code and the anthropic SDK use it: the key in ``x-api-key``,
+    an answer, its stream, and an error in Anthropic's shape."""
+    body = {
+        "model": target.model,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Say hello."}],
+    }
+    headers = {"x-api-key": target.key, "anthropic-version": "2023-06-01"}
+    async with target.http(None) as client:
+        plain = await client.post("/v1/messages", json=body, headers=headers)
+        streamed = await client.post("/v1/messages", json=body | {"stream": True}, headers=headers)
+        refused = await client.post("/v1/messages", json={"model": target.model}, headers=headers)
+    expect(plain.status_code == 200, f"{plain.status_code}: {plain.text[:160]}")
+    served.saw(plain.headers.get("x-forge-backend"))
+    message = plain.json()
+    expect(message["type"] == "message" and message["content"], f"{str(message)[:160]}")
+    expect(message["usage"]["output_tokens"] > 0, f"usage {message['usage']}")
+    kinds = [kind for kind, _ in _events(streamed.text)]
+    expect(kinds[:1] == ["message_start"], f"a stream that starts with {kinds[:1]}")
+    expect(kinds[-1:] == ["message_stop"], f"a stream that ends with {kinds[-1:]}")
+    expect(refused.status_code == 400, f"no max_tokens: {refused.status_code}, wanted 400")
+    error = refused.json()
+    expect(
+        error.get("type") == "error" and error["error"]["type"] == "invalid_request_error",
+        f"not Anthropic's error shape: {refused.text[:160]}",
+    )
+    return f"{len(kinds)} events streamed; x-api-key; Anthropic-shaped 400"
+
+
 def checks() -> list[Check]:
     return [
         Check("protocol:models-listed", models_listed, "protocol"),
@@ -119,4 +194,6 @@ def checks() -> list[Check]:
         Check("protocol:oversized-body-413", oversized_body_is_413, "protocol"),
         Check("protocol:bad-request-400", bad_requests_are_400s, "protocol"),
         Check("protocol:unknown-model-404", unknown_model_is_404, "protocol"),
+        Check("protocol:responses-api", responses_route, "protocol"),
+        Check("protocol:messages-api", messages_route, "protocol"),
     ]

@@ -74,6 +74,8 @@ async def test_the_gate_passes_a_healthy_forge_and_drills_redis_loss(forge_url, 
     assert named["cache:repeat-is-a-hit"].detail == "miss, hit, hit as SSE"
     assert named["prompt:json-schema"].served == "primary"
     assert named["disconnect:slots-and-caps-freed"].status == "PASS", printed
+    for route in ("protocol:responses-api", "protocol:messages-api"):  # a check per API
+        assert named[route].status == "PASS" and named[route].served == "primary", printed
     redis_loss = named["store:redis-loss-fails-open"]
     if redis_server is None:
         assert redis_loss.status == "SKIP" and "embedded" in redis_loss.detail
