@@ -173,6 +173,9 @@ class ResponsesDialect:
         )
         if isinstance(effort, str):
             chat["reasoning_effort"] = effort
+        seed = body.get("seed")  # not OpenAI's: sampling made repeatable, as on chat
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            chat["seed"] = seed
         return chat
 
     # -- out ---------------------------------------------------------------------------------
