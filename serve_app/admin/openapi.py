@@ -15,7 +15,7 @@ from serve_app.protocol import ChatCompletionRequest, CompletionRequest, Embeddi
 
 SCHEMA_REF = "#/components/schemas/{model}"
 BEARER = "bearer"  # the security scheme's name in the schema
-API_KEY = "x-api-key"  # Anthropic's header, taken on every route as the same key
+KEY_HEADER = "x-api-key"  # Anthropic's header, taken on every route as the same key
 
 
 class ErrorDetail(BaseModel):
@@ -104,13 +104,13 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
         "scheme": "bearer",
         "description": "A tenant's API key (inference, /v1/usage) or an admin key (/admin/*).",
     }
-    schemes[API_KEY] = {
+    schemes[KEY_HEADER] = {
         "type": "apiKey",
         "in": "header",
         "name": "x-api-key",
         "description": "A tenant's API key, as Anthropic's SDK sends it (any inference route).",
     }
-    security = [{BEARER: []}, {API_KEY: []}]
+    security = [{BEARER: []}, {KEY_HEADER: []}]
     failures = {
         "400": _error_ref("Invalid request: the message names the parameter"),
         "401": _error_ref("Missing, malformed or unknown API key"),

@@ -220,22 +220,22 @@ class ResponsesDialect:
         message: dict | None = None  # the text item, while it is open
         text: list[str] = []
         calls = ToolCallDeltas()
-        items: dict[int, dict] = {}  # a tool call (by identity) → its function_call item
-        usage, finish, failed_at = None, None, False
+        items: dict[int, dict] = {}  # id() of a call ToolCallDeltas gathers → its item
+        usage, finish, failed = None, None, False
         async for kind, payload in chat_frames(chunks):
             if kind == "comment":
                 yield payload
                 continue
             if kind == "error":
-                failed = {
+                error = {
                     "code": payload.get("code") or "server_error",
                     "message": payload.get("message") or "The model backend failed.",
                 }
                 yield events(
                     "response.failed",
-                    response=turn.response("failed", output, usage, error=failed),
+                    response=turn.response("failed", output, usage, error=error),
                 )
-                failed_at = True
+                failed = True
                 continue  # nothing follows; reading on lets the stream end as it ended
             if payload.get("usage"):
                 usage = payload["usage"]
@@ -286,7 +286,7 @@ class ResponsesDialect:
                             delta=arguments,
                         )
                 finish = choice.get("finish_reason") or finish
-        if failed_at:
+        if failed:
             return
         if message is not None and message["status"] == "in_progress":
             for event in _text_done(events, output, message, "".join(text)):

@@ -99,7 +99,15 @@ def drive(url: str, n: int) -> list[str]:
     return served
 
 
-@pytest.mark.parametrize("fault", [{"mode": "error"}, {"mode": "hang"}])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"mode": "error"},
+        # A hung replica costs each of its non-streamed requests the 5 s request deadline
+        # before the breaker opens (~20 s): the slow run's, so the default run stays in 5 min.
+        pytest.param({"mode": "hang"}, marks=pytest.mark.slow),
+    ],
+)
 def test_a_failing_or_hung_replica_costs_clients_nothing_and_is_routed_around(
     forge_url, faults, metric, fault
 ):

@@ -855,7 +855,7 @@ def test_a_model_name_that_is_not_ascii_is_404(forge_url, route, body):
 # -- slow clients ----------------------------------------------------------------------------
 
 SLOW_CLIENTS = 16
-TRICKLE_S = 4.0
+TRICKLE_S = 2.0  # eight rounds of another client's request while 16 trickle
 
 
 def test_slow_clients_hold_nothing_while_others_are_served(front, books):
