@@ -460,12 +460,122 @@ def test_the_eval_gate_reaches_the_admin_routes_on_the_admin_port():
     ), labels
 
 
-def test_the_health_checks_argo_needs_are_there():
-    (patch,) = docs(CLUSTER / "argocd-cm-health.yaml")
+# ArgoCD's health customisations run as Lua with the object as ``obj``; they return
+# {status, message}. Here the same scripts run in Lua (lupa) on each status, not grepped.
+RUN_HEALTH = """
+import json, sys
+from lupa import LuaRuntime
+scripts, cases = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {}
+for name, (kind, obj) in cases.items():
+    lua = LuaRuntime(unpack_returned_tuples=True)
+    lua.globals().obj = lua.table_from(obj, recursive=True)
+    hs = lua.execute(scripts[kind])
+    out[name] = {"status": hs["status"], "message": hs["message"]}
+print(json.dumps(out))
+"""
+
+
+def _condition(kind: str, status: str, **extra) -> dict:
+    return {"type": kind, "status": status, **extra}
+
+
+def _apps(**statuses: str) -> dict:
+    return {
+        "applicationStatuses": {
+            name: {"status": status, "message": f"{name} says {status}"}
+            for name, status in statuses.items()
+        }
+    }
+
+
+READY = _condition("Ready", "True", reason="NonZeroServeEndpoints", message="serving")
+UPGRADING = _condition("UpgradeInProgress", "True", message="pending cluster coming up")
+NOT_UPGRADING = _condition("UpgradeInProgress", "False", reason="NoPendingCluster")
+# (kind, the object's status) → the health ArgoCD must see.
+HEALTH_CASES = {
+    "rayservice-unreported": ("RayService", None, "Progressing"),
+    "rayservice-ready": (
+        "RayService",
+        {"conditions": [READY, NOT_UPGRADING], "activeServiceStatus": _apps(forge="RUNNING")},
+        "Healthy",
+    ),
+    "rayservice-upgrading": (
+        "RayService",
+        {
+            "conditions": [READY, UPGRADING],
+            "activeServiceStatus": _apps(forge="RUNNING"),
+            "pendingServiceStatus": _apps(forge="DEPLOYING"),
+        },
+        "Progressing",
+    ),
+    "rayservice-initializing": (
+        "RayService",
+        {"conditions": [_condition("Ready", "False", reason="Initializing")]},
+        "Progressing",
+    ),
+    "rayservice-new-cluster-failed": (
+        "RayService",
+        {
+            "conditions": [READY, UPGRADING],
+            "activeServiceStatus": _apps(forge="RUNNING"),
+            "pendingServiceStatus": _apps(
+                forge="RUNNING", **{"forge-pool-primary": "DEPLOY_FAILED"}
+            ),
+        },
+        "Degraded",
+    ),
+    "rayservice-unhealthy": (
+        "RayService",
+        {"conditions": [READY, NOT_UPGRADING], "activeServiceStatus": _apps(forge="UNHEALTHY")},
+        "Degraded",
+    ),
+    "application-healthy": ("Application", {"health": {"status": "Healthy"}}, "Healthy"),
+    "application-degraded": (
+        "Application",
+        {"health": {"status": "Degraded", "message": "a hook failed"}},
+        "Degraded",
+    ),
+    "application-unassessed": ("Application", {}, "Progressing"),
+}
+
+
+def health_scripts(path: Path = CLUSTER / "argocd-cm-health.yaml") -> dict[str, str]:
+    (patch,) = docs(path)
     data = patch["data"]
-    assert "obj.status.health" in data["resource.customizations.health.argoproj.io_Application"]
-    rayservice = data["resource.customizations.health.ray.io_RayService"]
-    assert '"UpgradeInProgress"' in rayservice and '"Healthy"' in rayservice
+    return {
+        "Application": data["resource.customizations.health.argoproj.io_Application"],
+        "RayService": data["resource.customizations.health.ray.io_RayService"],
+    }
+
+
+def run_health(tools: Tools, scripts: dict[str, str]) -> dict[str, dict]:
+    cases = {
+        name: (kind, {"status": status} if status is not None else {})
+        for name, (kind, status, _) in HEALTH_CASES.items()
+    }
+    return tools.python(RUN_HEALTH, json.dumps(scripts), json.dumps(cases))
+
+
+def test_argos_health_checks_say_healthy_progressing_and_degraded(tools: Tools):
+    """Executed, on KubeRay's statuses: Healthy once Ready with no upgrade, Progressing while
+    one runs, Degraded when a Serve application of either cluster failed (issue 32, item 7)."""
+    seen = run_health(tools, health_scripts())
+    assert {name: seen[name]["status"] for name in HEALTH_CASES} == {
+        name: want for name, (_, _, want) in HEALTH_CASES.items()
+    }
+    assert "forge-pool-primary DEPLOY_FAILED" in seen["rayservice-new-cluster-failed"]["message"]
+
+
+def test_the_health_check_run_catches_a_script_that_is_never_degraded(tools: Tools):
+    """The script as it was: a failed deploy stayed Progressing for ever."""
+    scripts = health_scripts()
+    start = scripts["RayService"].index("for _, side in ipairs")
+    end = scripts["RayService"].index("if obj.status.conditions == nil")
+    scripts["RayService"] = scripts["RayService"][:start] + scripts["RayService"][end:]
+    seen = run_health(tools, scripts)
+    assert seen["rayservice-new-cluster-failed"]["status"] == "Progressing"
+    assert seen["rayservice-unhealthy"]["status"] == "Healthy"
 
 
 # --- Kubernetes objects: the hook Job and the drills' load Job ------------------------------
