@@ -21,17 +21,21 @@
 # start full once; `terraform plan` shows the replacement).
 locals {
   # redis-py reads ssl_ca_certs from the URL; each instance's CA is a secret mounted beside it.
+  # The URL names the instance by IP, which its server certificate may not carry as a SAN, and
+  # redis-py >= 6 checks the hostname by default: a failed check fails the store open (budgets
+  # off). The chain is still verified against the instance's own CA, which signs nothing but
+  # that instance's certificate, so that check is what proves the peer; the name check is off.
   redis_ca_path       = "/etc/forge/keys/redis-ca.pem"
   redis_cache_ca_path = "/etc/forge/keys/redis-cache-ca.pem"
   redis_url = format(
-    "rediss://:%s@%s:%d/0?ssl_ca_certs=%s",
+    "rediss://:%s@%s:%d/0?ssl_ca_certs=%s&ssl_check_hostname=false",
     urlencode(google_redis_instance.budgets.auth_string),
     google_redis_instance.budgets.host,
     google_redis_instance.budgets.port,
     local.redis_ca_path,
   )
   redis_cache_url = format(
-    "rediss://:%s@%s:%d/0?ssl_ca_certs=%s",
+    "rediss://:%s@%s:%d/0?ssl_ca_certs=%s&ssl_check_hostname=false",
     urlencode(google_redis_instance.cache.auth_string),
     google_redis_instance.cache.host,
     google_redis_instance.cache.port,

@@ -545,3 +545,44 @@ def test_shape_check_catches(parsed, variant):
 
 def test_every_check_has_a_broken_variant():
     assert {variant.split("|")[0] for variant in BROKEN} == set(CHECKS)
+
+
+# --- the Redis URLs Terraform writes, as redis-py reads them --------------------------------
+
+
+def redis_url_formats(tree: Path = TERRAFORM) -> list[str]:
+    text = (tree / "redis.tf").read_text()
+    return re.findall(r'"(rediss://[^"]+)"', text)
+
+
+def redis_tls_problems(formats: list[str]) -> list[str]:
+    """What the gateways' redis-py makes of each URL: TLS verified against the mounted CA, and
+    no hostname check against the instance's IP (its certificate may not name it: a failed
+    handshake fails the store open, and the budgets with it; issue 32, item 14)."""
+    import ssl
+
+    import redis
+
+    problems = []
+    for form in formats:
+        url = form.replace(":%s@%s:%d/", ":auth@10.0.0.3:6378/").replace("=%s", "=/etc/ca.pem")
+        kwargs = redis.ConnectionPool.from_url(url).connection_kwargs
+        connection = redis.ConnectionPool.from_url(url).connection_class(**kwargs)
+        if connection.cert_reqs != ssl.CERT_REQUIRED or connection.ca_certs != "/etc/ca.pem":
+            problems.append(f"{form}: the server certificate is not verified against the CA")
+        if connection.check_hostname:
+            problems.append(f"{form}: redis-py checks the IP against the certificate's names")
+    return problems
+
+
+def test_the_redis_urls_verify_the_ca_and_not_the_ip():
+    formats = redis_url_formats()
+    assert len(formats) == 2  # the budgets' and the cache's
+    assert redis_tls_problems(formats) == []
+
+
+def test_redis_tls_check_catches_the_default_hostname_check(tmp_path):
+    tree = copy_tree(tmp_path / "terraform")
+    path = tree / "redis.tf"
+    path.write_text(path.read_text().replace("&ssl_check_hostname=false", ""))
+    assert len(redis_tls_problems(redis_url_formats(tree))) == 2
