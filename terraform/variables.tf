@@ -188,9 +188,9 @@ variable "cpu_min_nodes" {
 }
 
 variable "cpu_max_nodes" {
-  description = "Most nodes of the CPU pool (per zone in cpu_node_zones)."
+  description = "Most nodes of the CPU pool (per zone in cpu_node_zones). Each e2-standard-4 holds one Ray pod (head 2.5 CPU, gateway workers 2): 3 at steady state, 5 at the CPU group's maxReplicas, and a NewCluster upgrade brings up a second cluster (3 more) before deleting the old one."
   type        = number
-  default     = 4
+  default     = 8
 
   validation {
     condition     = var.cpu_max_nodes >= var.cpu_min_nodes && floor(var.cpu_max_nodes) == var.cpu_max_nodes
@@ -221,9 +221,9 @@ variable "gpu_machine_type" {
 }
 
 variable "gpu_max_nodes" {
-  description = "Most spot T4 nodes (per zone in gpu_node_zones). The pool scales from 0; this also bounds the spend. The project needs as much PREEMPTIBLE_NVIDIA_T4_GPUS quota."
+  description = "Most spot T4 nodes (per zone in gpu_node_zones). The pools scale from 0; this also bounds the spend. At least what the GPU pools can ask at once (configs/gke.yaml: primary 3 + embed 1); the project needs as much PREEMPTIBLE_NVIDIA_T4_GPUS quota."
   type        = number
-  default     = 2
+  default     = 4
 
   validation {
     condition     = var.gpu_max_nodes >= 1 && var.gpu_max_nodes <= 16 && floor(var.gpu_max_nodes) == var.gpu_max_nodes

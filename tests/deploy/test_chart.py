@@ -151,6 +151,14 @@ BROKEN_BUT_RENDERING = {
     "spot-gateways": {"workers": {"cpu": {"spot": True}}},
     # A spot group whose grace outlasts the notice.
     "long-spot-grace": {"workers": {"gpu": {"terminationGracePeriodSeconds": 45}}},
+    # The old cluster deleted while a 120 s stream may still run on it.
+    "short-deletion-delay": {"upgradeStrategy": {"oldClusterDeletionDelaySeconds": 60}},
+    # The head and the gateways evictable by any drain.
+    "no-disruption-budgets": {"podDisruptionBudgets": {"enabled": False}},
+    # A gateway more at steady state and at the peak, with the node pool left as it is.
+    "more-cpu-workers": {"workers": {"cpu": {"replicas": 3, "minReplicas": 3, "maxReplicas": 5}}},
+    # Room for 3 T4 pods while the pools can ask 4 GPUs.
+    "small-gpu-group": {"workers": {"gpu": {"maxReplicas": 3}}},
     # A key in the chart's values, in plain text.
     "literal-secret": {"extraEnv": [{"name": "GEMINI_API_KEY", "value": "AIza" + "x" * 35}]},
 }
@@ -277,6 +285,8 @@ def test_each_values_file_renders_every_object(rendered):
     assert kinds == [
         "ConfigMap",
         "NetworkPolicy",
+        "PodDisruptionBudget",
+        "PodDisruptionBudget",
         "PodMonitor",
         "PrometheusRule",
         "RayService",
@@ -490,6 +500,254 @@ def test_an_image_bump_rolls_out_on_one_t4(rendered):
                     f"pool {pool['name']} starts a GPU replica: a NewCluster upgrade would wait "
                     "for a second T4"
                 )
+
+
+KUBERAY_DELETION_DELAY_S = 60  # rayClusterDeletionDelaySeconds when the spec leaves it out
+SWITCH_MARGIN_S = 30  # KubeRay's switch and the proxies' last reads, after the longest request
+
+
+def deletion_delay_problems(rayservice: dict) -> list[str]:
+    """After a NewCluster switch, KubeRay deletes the old cluster ``rayClusterDeletionDelaySeconds``
+    later, with whatever it still serves: the delay must outlast the longest request a pool of
+    its serve config allows (``request_timeout_s``), or every deploy cuts the longest streams."""
+    from serve_app.config.live import serve_config_forge
+
+    spec = rayservice["spec"]
+    if spec.get("upgradeStrategy", {}).get("type") != "NewCluster":
+        return []
+    delay = spec.get("rayClusterDeletionDelaySeconds", KUBERAY_DELETION_DELAY_S)
+    config = serve_config_forge(yaml.safe_load(spec["serveConfigV2"]), FORGE_APP)
+    longest = max(pool.request_timeout_s for pool in config.pools)
+    if delay < longest + SWITCH_MARGIN_S:
+        return [
+            f"rayClusterDeletionDelaySeconds {delay} s: the old cluster goes while a request of "
+            f"up to {longest:g} s (request_timeout_s) may still run; need >= "
+            f"{longest + SWITCH_MARGIN_S:g} s"
+        ]
+    return []
+
+
+def test_the_old_cluster_outlives_its_longest_stream(rendered):
+    assert deletion_delay_problems(rendered.one("RayService")) == []
+
+
+def test_deletion_delay_check_catches_kuberays_default_and_a_short_delay(renders):
+    service = copy.deepcopy(renders["production"].one("RayService"))
+    del service["spec"]["rayClusterDeletionDelaySeconds"]  # as the chart rendered it before
+    assert deletion_delay_problems(service), "KubeRay's 60 s default passed"
+    short = renders["short-deletion-delay"]
+    assert short.error is None, short.error
+    assert deletion_delay_problems(short.one("RayService"))
+
+
+# --- disruption: what a node drain may take ------------------------------------------------
+
+
+def disruption_problems(render: Render) -> list[str]:
+    """A drain (node upgrade, scale-down) never evicts the head while it is alone (its loss is
+    the whole Ray cluster's) and takes the gateways one at a time; no budget holds the spot T4
+    workers (preemption ignores it, and it would keep an idle T4 node from going away)."""
+    budgets = render.kind("PodDisruptionBudget")
+    problems = []
+    for group, pod in zip(groups(render.one("RayService")), as_pods(render), strict=True):
+        labels = pod["metadata"]["labels"]
+        held = [
+            b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
+        specs = [{k: v for k, v in b["spec"].items() if k != "selector"} for b in held]
+        want = {
+            "headgroup": [{"minAvailable": 1}],
+            "cpu": [{"maxUnavailable": 1}],
+        }.get(group, [])
+        if specs != want:
+            problems.append(f"{group}: disruption budgets {specs}, want {want}")
+    return problems
+
+
+def test_a_drain_never_takes_the_lone_head_nor_every_gateway(rendered):
+    assert disruption_problems(rendered) == []
+
+
+def test_disruption_check_catches_budgets_turned_off(renders):
+    off = renders["no-disruption-budgets"]
+    assert off.error is None, off.error
+    assert len(disruption_problems(off)) == 2
+
+
+# --- CPU nodes: the head and the gateways at steady state and through a NewCluster upgrade ---
+
+# What a CPU node offers pods: GKE's allocatable (its documented reservations: CPU 6 % of the
+# first core, 1 % of the next, 0.5 % of each of the next two; memory 25 % of the first 4 GiB,
+# 20 % of the next 4, 10 % of the next 8, and 100 MiB for eviction), less what GKE's own
+# DaemonSets ask on every node (kube-proxy, logging and metrics agents, CSI drivers: ~0.3 CPU,
+# ~0.5 GiB).
+MACHINES = {"e2-standard-4": (4.0, 16.0), "e2-standard-8": (8.0, 32.0)}  # vCPU, GiB
+DAEMONSETS = (0.3, 0.5)
+
+
+def allocatable(machine: str) -> tuple[float, float]:
+    cpu, memory = MACHINES[machine]
+    cpu_reserved = 0.06 + 0.01 * min(1, cpu - 1) + 0.005 * min(2, max(0, cpu - 2))
+    tiers = [(4, 0.25), (4, 0.20), (8, 0.10), (112, 0.06)]
+    memory_reserved, left = 0.1, memory
+    for size, share in tiers:
+        memory_reserved += share * min(size, left)
+        left -= min(size, left)
+    return cpu - cpu_reserved - DAEMONSETS[0], memory - memory_reserved - DAEMONSETS[1]
+
+
+def quantity(value: str | int | float) -> float:
+    """A Kubernetes quantity as cores or GiB."""
+    text = str(value)
+    units = {"m": 1e-3, "Ki": 2**-20, "Mi": 2**-10, "Gi": 1.0, "Ti": 2**10}
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * scale
+    return float(text)
+
+
+def pod_requests(spec: dict, extra: Sequence[dict] = ()) -> tuple[float, float]:
+    containers = [*spec["containers"], *extra]
+    cpu = sum(quantity(c["resources"]["requests"]["cpu"]) for c in containers)
+    memory = sum(quantity(c["resources"]["requests"]["memory"]) for c in containers)
+    return cpu, memory
+
+
+def nodes_needed(pods: list[tuple[float, float]], node: tuple[float, float]) -> int:
+    """First fit, largest first: the nodes the cluster autoscaler needs for ``pods`` at least."""
+    free: list[list[float]] = []
+    for cpu, memory in sorted(pods, reverse=True):
+        assert cpu <= node[0] and memory <= node[1], (
+            f"a pod of {cpu:g} CPU, {memory:g} GiB fits no node"
+        )
+        for room in free:
+            if room[0] >= cpu and room[1] >= memory:
+                room[0] -= cpu
+                room[1] -= memory
+                break
+        else:
+            free.append([node[0] - cpu, node[1] - memory])
+    return len(free)
+
+
+def terraform_default(name: str, terraform: Path = ROOT / "terraform") -> object:
+    variables = (terraform / "variables.tf").read_text()
+    block = variables[variables.index(f'variable "{name}"') :]
+    return yaml.safe_load(re.search(r"default\s*=\s*(.+)", block).group(1).strip())
+
+
+def cpu_pool_problems(rayservice: dict, machine: str, max_nodes: int) -> list[str]:
+    """The CPU pool's nodes hold the Ray cluster's CPU pods at steady state (the head with its
+    autoscaler, the CPU group at ``replicas``), at the CPU group's ``maxReplicas``, and through a
+    NewCluster upgrade, when KubeRay brings up a whole second cluster (head and CPU group at
+    ``replicas``) before it deletes the old one (issue 32, item 1). GPU pods go to the T4 pool."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    head = pod_requests(
+        cluster["headGroupSpec"]["template"]["spec"], [cluster["autoscalerOptions"]]
+    )
+    cpu_groups = [g for g in groups(rayservice).values() if g is not cluster["headGroupSpec"]]
+    cpu_groups = [g for g in cpu_groups if "num-gpus" not in g.get("rayStartParams", {})]
+    steady = [head] + [
+        pod_requests(g["template"]["spec"]) for g in cpu_groups for _ in range(g["replicas"])
+    ]
+    peak = [head] + [
+        pod_requests(g["template"]["spec"]) for g in cpu_groups for _ in range(g["maxReplicas"])
+    ]
+    node = allocatable(machine)
+    problems = []
+    for what, pods in (
+        ("at steady state", steady),
+        ("at the CPU group's maxReplicas", peak),
+        (
+            "during a NewCluster upgrade (the old cluster at its peak, the new one starting)",
+            peak + steady,
+        ),
+    ):
+        need = nodes_needed(pods, node)
+        if need > max_nodes:
+            problems.append(f"{what}: {need} {machine} nodes needed, cpu_max_nodes is {max_nodes}")
+    return problems
+
+
+def test_the_cpu_pool_holds_the_cluster_through_an_upgrade(rendered):
+    zones = max(1, len(terraform_default("cpu_node_zones")))
+    machine, max_nodes = terraform_default("cpu_machine_type"), terraform_default("cpu_max_nodes")
+    assert cpu_pool_problems(rendered.one("RayService"), machine, max_nodes * zones) == []
+
+
+def test_cpu_pool_check_catches_the_old_node_limit_and_fat_pods(renders):
+    service = renders["production"].one("RayService")
+    machine = terraform_default("cpu_machine_type")
+    old_limit = cpu_pool_problems(service, machine, 4)  # the node pool's limit before
+    assert any("NewCluster" in problem for problem in old_limit), old_limit
+    more = renders["more-cpu-workers"]
+    assert more.error is None, more.error
+    assert cpu_pool_problems(more.one("RayService"), machine, terraform_default("cpu_max_nodes"))
+
+
+def test_a_cpu_node_offers_what_gke_documents():
+    cpu, memory = allocatable("e2-standard-4")
+    assert (round(cpu + DAEMONSETS[0], 2), round(memory + DAEMONSETS[1], 1)) == (3.92, 13.3)
+
+
+# --- GPUs: what the pools can ask, the group can hold, and Terraform can start ---------------
+
+
+def terraform_gpu_nodes() -> int:
+    """The T4 nodes Terraform's defaults allow: ``gpu_max_nodes`` per zone of
+    ``gpu_node_zones`` (none listed: the cluster's one zone)."""
+    return terraform_default("gpu_max_nodes") * max(1, len(terraform_default("gpu_node_zones")))
+
+
+def gpu_budget_problems(rayservice: dict, terraform_nodes: int) -> list[str]:
+    """Every GPU replica the pools may run at once (``max_replicas`` x ``num_gpus``) has a place:
+    the GPU group's ``maxReplicas`` pods hold them and Terraform's node pool can start those
+    pods. Otherwise the last replica asked stays Pending, and when it is the embed pool's, the
+    T4 it took from chat is the one a chat replica waits for (issue 32, item 9)."""
+    problems = []
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    demand = 0.0
+    for app in config["applications"]:
+        args = app.get("args") or {}
+        for pool in args.get("pools", []) + ([args["pool"]] if "pool" in args else []):
+            deployment = pool.get("deployment", {})
+            gpus = deployment.get("ray_actor_options", {}).get("num_gpus", 0)
+            if gpus:
+                replicas = (deployment.get("autoscaling_config") or {}).get(
+                    "max_replicas", deployment.get("num_replicas", 1)
+                )
+                demand += gpus * replicas
+    group = gpu_group(rayservice)
+    per_pod = float(
+        ray_container(group["template"]["spec"])["resources"]["limits"]["nvidia.com/gpu"]
+    )
+    held = group["maxReplicas"] * per_pod
+    if demand > held:
+        problems.append(f"the pools can ask {demand:g} GPUs; the GPU group holds {held:g}")
+    if group["maxReplicas"] > terraform_nodes:
+        problems.append(
+            f"the GPU group may grow to {group['maxReplicas']} pods; Terraform's node pool "
+            f"starts at most {terraform_nodes} T4 nodes"
+        )
+    return problems
+
+
+def test_every_gpu_replica_the_pools_can_ask_has_a_t4(rendered):
+    assert gpu_budget_problems(rendered.one("RayService"), terraform_gpu_nodes()) == []
+
+
+def test_gpu_budget_check_catches_a_group_or_node_pool_too_small(renders):
+    small = renders["small-gpu-group"]
+    assert small.error is None, small.error
+    assert gpu_budget_problems(small.one("RayService"), terraform_gpu_nodes())
+    service = renders["production"].one("RayService")
+    assert gpu_budget_problems(service, 2), "Terraform's old 2 T4 nodes passed"
+    grown = copy.deepcopy(service)  # the primary back at 4 replicas: 5 GPUs for 4 pods
+    config = yaml.safe_load(grown["spec"]["serveConfigV2"])
+    (app,) = [a for a in config["applications"] if a["name"] == "forge-pool-primary"]
+    app["args"]["pool"]["deployment"]["autoscaling_config"]["max_replicas"] = 4
+    grown["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    assert gpu_budget_problems(grown, terraform_gpu_nodes())
 
 
 # --- the autoscaler: the GPU group scales from zero ------------------------------------------
@@ -839,11 +1097,35 @@ def test_key_hashes_are_mounted_where_the_serve_config_reads_them(rendered):
         assert mount["readOnly"] is True
 
 
-def test_workload_identity(renders):
+def terraform_pods_account(tfvars: Path = ROOT / "terraform" / "terraform.tfvars.example") -> str:
+    """The Google service account Terraform creates for the pods, as its output names it:
+    ``account_id`` from workload_identity.tf with ``cluster_name`` (the tfvars', else the
+    variable's default) and the tfvars' ``project_id``."""
+    terraform = ROOT / "terraform"
+    source = (terraform / "workload_identity.tf").read_text()
+    resource = source[source.index('resource "google_service_account" "forge"') :]
+    template = re.search(r'account_id\s*=\s*"([^"]+)"', resource).group(1)
+    variables = (terraform / "variables.tf").read_text()
+    block = variables[variables.index('variable "cluster_name"') :]
+    cluster = re.search(r'default\s*=\s*"([^"]+)"', block).group(1)
+    values = tfvars.read_text()
+    if found := re.search(r'^cluster_name\s*=\s*"([^"]+)"', values, re.M):
+        cluster = found.group(1)
+    project = re.search(r'^project_id\s*=\s*"([^"]+)"', values, re.M).group(1)
+    account_id = template.replace("${var.cluster_name}", cluster)
+    assert "${" not in account_id, f"account_id {template!r}: a reference this test cannot follow"
+    return f"{account_id}@{project}.iam.gserviceaccount.com"
+
+
+def test_workload_identity_names_the_account_terraform_creates(renders):
+    """The annotation is the Google service account Terraform makes (workload_identity.tf),
+    not a name no one creates: without it the Vertex fallback gets no token, and it is the only
+    backend while the pool is at zero (issue 32, item 2)."""
     (account,) = renders["production"].kind("ServiceAccount")
     assert account["metadata"]["annotations"] == {
-        "iam.gke.io/gcp-service-account": "forge-ray@forge-prod.iam.gserviceaccount.com"
+        "iam.gke.io/gcp-service-account": terraform_pods_account()
     }
+    assert terraform_pods_account() == "forge-pods@forge-prod.iam.gserviceaccount.com"
     assert account["automountServiceAccountToken"] is False
     rayservice = renders["production"].one("RayService")
     for spec in pod_specs(rayservice).values():
@@ -1330,7 +1612,7 @@ def test_monitoring_check_catches_a_drifted_rule_and_an_unscraped_group(renders)
 
 # --- kubernetes-validate and checkov ---------------------------------------------------------
 
-CORE_KINDS = {"ServiceAccount", "NetworkPolicy", "ConfigMap", "Service"}
+CORE_KINDS = {"ServiceAccount", "NetworkPolicy", "ConfigMap", "Service", "PodDisruptionBudget"}
 
 
 def write_docs(directory: Path, prefix: str, docs: list[dict]) -> list[Path]:
