@@ -574,6 +574,57 @@ def test_disruption_check_catches_budgets_turned_off(renders):
     assert len(disruption_problems(off)) == 2
 
 
+# --- disk: what the emptyDirs may fill is asked for, and fits the node --------------------------
+
+# Of a node's boot disk, what GKE leaves pods after the system's reservation and the images
+# (the CUDA and vLLM image is ~15 GB): a conservative share.
+POD_DISK_SHARE = 0.7
+
+
+def node_disk_gb(pool: str, terraform: Path = ROOT / "terraform") -> float:
+    text = (terraform / "modules" / "gke" / "main.tf").read_text()
+    block = text[text.index(f'resource "google_container_node_pool" "{pool}"') :]
+    return float(re.search(r"disk_size_gb\s*=\s*(\d+)", block).group(1))
+
+
+def disk_problems(rayservice: dict) -> list[str]:
+    """Each Ray pod asks for the ephemeral storage its emptyDirs may fill (a cold start writes
+    the model's weights into the cache, ~6.6 GB, and vLLM its compile caches), and that fits the
+    pod's node pool's disk (issue 32, item 12): without the request the scheduler counts none of
+    it, and a full disk evicts every pod on the node."""
+    problems = []
+    for name, spec in pod_specs(rayservice).items():
+        limits = sum(
+            quantity(v["emptyDir"]["sizeLimit"]) for v in spec["volumes"] if "emptyDir" in v
+        )
+        requested = quantity(
+            ray_container(spec)["resources"]["requests"].get("ephemeral-storage", 0)
+        )
+        if requested < limits:
+            problems.append(
+                f"{name}: emptyDirs up to {limits:g} GiB, ephemeral-storage asks {requested:g}"
+            )
+        pool = "gpu" if "num-gpus" in groups(rayservice)[name].get("rayStartParams", {}) else "cpu"
+        room = node_disk_gb(pool) * POD_DISK_SHARE * 1e9 / 2**30
+        if requested > room:
+            problems.append(
+                f"{name}: asks {requested:g} GiB of a {pool} node's ~{room:.0f} for pods"
+            )
+    return problems
+
+
+def test_every_ray_pod_asks_for_the_disk_its_caches_fill(rendered):
+    assert disk_problems(rendered.one("RayService")) == []
+
+
+def test_disk_check_catches_a_cache_without_its_request(renders):
+    service = copy.deepcopy(renders["production"].one("RayService"))
+    gpu = ray_container(gpu_group(service)["template"]["spec"])
+    del gpu["resources"]["requests"]["ephemeral-storage"]  # as the chart rendered it before
+    (problem,) = disk_problems(service)
+    assert "ephemeral-storage asks 0" in problem
+
+
 # --- CPU nodes: the head and the gateways at steady state and through a NewCluster upgrade ---
 
 # What a CPU node offers pods: GKE's allocatable (its documented reservations: CPU 6 % of the

@@ -129,3 +129,29 @@ def test_kv_events_reach_only_holders_of_the_clusters_key(openai_client):
         assert not stranger.poll(0), "and gets no snapshot"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_conversations_follow_up_goes_to_the_replica_that_holds_it(openai_client, metric):
+    """``previous_response_id`` puts the whole conversation before the new input, so on a
+    prefix-aware pool the follow-up lands where the opening turn's prompt is cached."""
+    model = "forge-prefix-affinity"
+    opening = openai_client.responses.with_raw_response.create(
+        model=model,
+        input=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "rule 3?"}],
+        max_output_tokens=2,
+    )
+    first, opened = opening.headers["x-forge-replica"], opening.parse().id
+    eventually(
+        lambda: _warm_and_idle(_last_report(metric, first)),
+        timeout_s=10,
+        interval_s=0.2,
+        what=f"a routing-stats report of {first} showing the conversation cached, idle",
+        explain=lambda: _last_report(metric, first),
+    )
+    followers = {
+        openai_client.responses.with_raw_response.create(
+            model=model, previous_response_id=opened, input=f"and rule {i}?", max_output_tokens=2
+        ).headers["x-forge-replica"]
+        for i in range(3)
+    }
+    assert followers == {first}
