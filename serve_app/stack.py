@@ -1,8 +1,9 @@
 """The one place that lists the request path, in order, as Starlette's ``build_middleware_stack``.
 
 ``build_pipeline`` returns the ordered stages of an inference request and composes them around
-dispatch; ``/v1/models`` reuses the same first stages (request id, telemetry, auth) rather than
-a second hand-written list. The order is DESIGN.md's, and each position has a reason (with
+dispatch; ``/v1/models`` and ``GET``/``DELETE /v1/responses/{id}`` reuse the same first stages
+(request id, telemetry, auth), and ``/v1/messages/count_tokens`` those and parse, rather than a
+second hand-written list. The order is DESIGN.md's, and each position has a reason (with
 tracing on, a root span opens before all of them, ``stages/trace.py``):
 
 1. request id: every log line, backend call and response carries it;
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from opentelemetry.trace import Tracer
-from starlette.responses import Response
 
 from serve_app.admission.client import SchedulerClient
 from serve_app.admission.scheduler import tenant_cap
@@ -35,11 +35,11 @@ from serve_app.auth.throttle import FailedAuthThrottle
 from serve_app.backends.base import Backend
 from serve_app.config.models import AdmissionConfig, ForgeConfig, PoolConfig
 from serve_app.dialects import Dialect, MessagesDialect, ResponsesDialect, StoredResponses
-from serve_app.dialects.messages import count_response
+from serve_app.dialects.messages import count_tokens
 from serve_app.metering.book import UsageBook
 from serve_app.metering.ledger import UsageLedger, build_book
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext, Stage, compose, traced_endpoint
+from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.retry_budget import RetryBudget
 from serve_app.resilience.settings import retry_budget_settings
@@ -231,10 +231,6 @@ def build_pipeline(
         compose([root], compose(front, responses.stored_response, tracer)),
         compose([root], compose(counting, count_tokens, tracer)),
     )
-
-
-async def count_tokens(ctx: RequestContext) -> Response:
-    return count_response(ctx)
 
 
 def gateway_replicas(config: ForgeConfig) -> int:

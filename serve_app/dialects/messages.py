@@ -274,7 +274,7 @@ def anthropic_error(status: int, error: dict, request_id: str) -> dict:
     }
 
 
-def count_response(ctx: RequestContext) -> Response:
+async def count_tokens(ctx: RequestContext) -> Response:
     """``/v1/messages/count_tokens``: the gateway's count of the translated prompt, the one its
     budgets reserve (the engine's own tokenizer may differ by a few tokens)."""
     tokens = protocol.count_prompt_tokens(ctx.body or {}, "chat")
