@@ -540,6 +540,47 @@ def test_deletion_delay_check_catches_kuberays_default_and_a_short_delay(renders
     assert deletion_delay_problems(short.one("RayService"))
 
 
+# --- T4s: the attention kernels an SM 7.5 GPU runs ------------------------------------------
+
+# vLLM's attention backends with kernels for SM 7.5 (a T4): FlashAttention 2, FlashInfer and the
+# MLA backends need SM 8.0 or later.
+SM75_ATTENTION = {"TRITON_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"}
+
+
+def t4_attention_problems(rayservice: dict) -> list[str]:
+    """Every generation pool of vLLM on a T4 pins an attention backend with SM 7.5 kernels
+    (issue 32, item 13): left to vLLM, the choice is a guess that changes between releases."""
+    problems = []
+    for app in yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]:
+        pool = (app.get("args") or {}).get("pool")
+        if pool is None or pool.get("engine", {}).get("kind") != "vllm":
+            continue
+        options = pool.get("deployment", {}).get("ray_actor_options", {})
+        if options.get("accelerator_type") != "T4" or pool.get("task", "generate") != "generate":
+            continue
+        backend = pool["engine"].get("engine_args", {}).get("attention_backend")
+        if backend not in SM75_ATTENTION:
+            problems.append(f"{pool['name']}: attention_backend {backend!r} on a T4")
+    return problems
+
+
+def test_t4_pools_pin_an_attention_backend_the_gpu_runs(rendered):
+    assert t4_attention_problems(rendered.one("RayService")) == []
+
+
+def test_attention_check_catches_an_unpinned_or_sm80_backend(renders):
+    service = copy.deepcopy(renders["production"].one("RayService"))
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = [a for a in config["applications"] if a["name"] == "forge-pool-primary"]
+    engine_args = app["args"]["pool"]["engine"]["engine_args"]
+    for backend in (None, "FLASH_ATTN", "FLASHINFER"):
+        engine_args.pop("attention_backend", None)
+        if backend is not None:
+            engine_args["attention_backend"] = backend
+        service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+        assert t4_attention_problems(service), backend
+
+
 # --- disruption: what a node drain may take ------------------------------------------------
 
 

@@ -196,3 +196,31 @@ async def test_unknown_engine_args_are_named():
     config = VLLMEngineConfig(kind="vllm", model="/nowhere", engine_args={"no_such_arg": 1})
     with pytest.raises(ValueError, match="no_such_arg"):
         vllm_server_args(MODEL, config)
+
+
+def test_the_clusters_vllm_pools_name_engine_arguments_this_vllm_has():
+    """configs/gke.yaml's vLLM pools, as this release of vLLM reads them: every engine argument
+    exists, and the T4 pool's pinned attention backend is one of vLLM's own."""
+    from pathlib import Path
+
+    import yaml
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from serve_app.config.models import PoolConfig
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "gke.yaml").read_text())
+    pools = [
+        PoolConfig.model_validate(app["args"]["pool"])
+        for app in config["applications"]
+        if "pool" in (app.get("args") or {})
+    ]
+    vllm_pools = [p for p in pools if p.engine.kind == "vllm"]
+    assert {p.name for p in vllm_pools} == {"primary", "embed"}
+    for pool in vllm_pools:
+        args = vllm_server_args(pool.model, pool.engine, pool.task)
+        backend = pool.engine.engine_args.get("attention_backend")
+        if backend is not None:
+            assert backend in AttentionBackendEnum.__members__, backend
+            assert args.attention_backend == backend
+    (primary,) = [p for p in vllm_pools if p.name == "primary"]
+    assert primary.engine.engine_args["attention_backend"] == "TRITON_ATTN"
