@@ -32,7 +32,7 @@ output "kubernetes_service_account" {
 }
 
 output "secrets" {
-  description = "Secret Manager secret IDs by role, for the chart's SecretProviderClass."
+  description = "Secret Manager secret IDs by role: what docs/deploy.md copies into the Kubernetes Secrets the chart reads."
   value       = { for k, s in google_secret_manager_secret.forge : k => s.secret_id }
 }
 

@@ -818,3 +818,42 @@ def test_the_drill_table_counts_what_the_seed_table_counts():
     assert "+0s..+60s" in rows and rows["+0s..+60s"]["requests"] == 3
     lines = [module.PREFIX + json.dumps(s) for s in samples] + ["a log line that is not a sample"]
     assert module.read_samples(lines) == samples
+
+
+# --- the Secrets docs/deploy.md tells an operator to create -----------------------------------
+
+
+def documented_secrets(text: str) -> set[tuple[str, str]]:
+    """(namespace, name) of every ``kubectl -n NS create secret generic NAME`` in the text."""
+    return set(re.findall(r"kubectl -n (\S+) create secret generic (\S+)", text))
+
+
+def needed_secrets() -> set[tuple[str, str]]:
+    """Every Secret something in git references by name: the chart's (production values; the
+    Gemini key only exists for auth: api_key, which configs/gke.yaml does not use), the Ray
+    token, the eval gate's keys, and Grafana's admin (kube-prometheus-stack's existingSecret)."""
+    values = yaml.safe_load((ROOT / "helm" / "forge" / "values.yaml").read_text())
+    chart = {
+        ref["name"]
+        for role, ref in values["secrets"].items()
+        if ref["name"] and role != "geminiApiKey"
+    }
+    needed = {("forge", name) for name in chart | {"forge-ray-token", "forge-eval-keys"}}
+    monitoring = yaml.safe_dump(docs(APPS / "kube-prometheus-stack.yaml"))
+    for name in re.findall(r"existingSecret: (\S+)", monitoring):
+        needed.add(("monitoring", name))
+    return needed
+
+
+def test_the_deploy_guide_creates_every_secret_the_files_reference():
+    """Without Grafana's admin Secret the monitoring wave never turns Healthy, and nothing
+    after it syncs (issue 32, item 11): the guide creates each Secret, in its namespace."""
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    assert needed_secrets() - documented_secrets(guide) == set()
+    assert ("monitoring", "grafana-admin") in needed_secrets()
+
+
+def test_the_secrets_check_catches_the_missing_grafana_admin():
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    without = guide.replace("kubectl -n monitoring create secret generic grafana-admin", "")
+    assert needed_secrets() - documented_secrets(without) == {("monitoring", "grafana-admin")}

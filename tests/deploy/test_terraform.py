@@ -586,3 +586,40 @@ def test_redis_tls_check_catches_the_default_hostname_check(tmp_path):
     path = tree / "redis.tf"
     path.write_text(path.read_text().replace("&ssl_check_hostname=false", ""))
     assert len(redis_tls_problems(redis_url_formats(tree))) == 2
+
+
+# --- secrets: one way into the pods ---------------------------------------------------------
+
+
+def secret_path_problems(
+    tree: Path = TERRAFORM, chart: Path = ROOT / "helm" / "forge"
+) -> list[str]:
+    """Secrets reach the pods one way: the chart's Kubernetes Secrets. Terraform enables the
+    Secret Manager CSI add-on only if the chart renders a SecretProviderClass, and no output or
+    README promises one the chart does not have (issue 32, item 11)."""
+    templates = " ".join(p.read_text() for p in (chart / "templates").glob("*.yaml"))
+    provider = "kind: SecretProviderClass" in templates
+    gke = (tree / GKE).read_text()
+    enabled = re.search(r"secret_manager_config\s*{\s*enabled\s*=\s*true", gke) is not None
+    problems = []
+    if enabled != provider:
+        problems.append(
+            f"Secret Manager CSI add-on {'on' if enabled else 'off'}, the chart "
+            f"{'renders' if provider else 'has no'} SecretProviderClass"
+        )
+    if not provider:
+        for path in (tree / "outputs.tf", tree / "README.md"):
+            if "SecretProviderClass" in path.read_text():
+                problems.append(f"{path.name} promises a SecretProviderClass the chart lacks")
+    return problems
+
+
+def test_secrets_reach_the_pods_one_way():
+    assert secret_path_problems() == []
+
+
+def test_secret_path_check_catches_the_unused_csi_add_on(tmp_path):
+    tree = copy_tree(tmp_path / "terraform")
+    rewrite(tree, GKE, "enabled = false", "enabled = true", after="secret_manager_config")
+    append(tree, "outputs.tf", "# for the chart's SecretProviderClass\n")
+    assert len(secret_path_problems(tree)) == 2

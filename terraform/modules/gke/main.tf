@@ -96,10 +96,11 @@ resource "google_container_cluster" "this" {
     workload_pool = "${var.project_id}.svc.id.goog"
   }
 
-  # Mounts Secret Manager secrets into Pods (SecretProviderClass), read with the Pod's workload
-  # identity: how /etc/forge/keys/ is filled.
+  # No Secret Manager CSI add-on: the chart reads Kubernetes Secrets, copied from Secret Manager
+  # or synced by External Secrets (docs/deploy.md), and an unused driver on every node is
+  # surface with no use. Turn it on together with a SecretProviderClass in the chart.
   secret_manager_config {
-    enabled = true
+    enabled = false
   }
 
   release_channel {
