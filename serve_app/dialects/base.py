@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import orjson
 from starlette.responses import Response, StreamingResponse
 
-from serve_app import sse
+from serve_app import errors, sse
 from serve_app.pipeline import RequestContext
 
 
@@ -117,6 +117,18 @@ def text_of(content: Any, *kinds: str) -> str:
         for p in content
         if isinstance(p, dict) and p.get("type") in kinds and isinstance(p.get("text"), str)
     )
+
+
+def required_string(obj: dict, name: str, where: str, *, empty: bool = False) -> str:
+    """``obj[name]``, a string (non-empty unless ``empty``), or a 400 naming ``where.name``."""
+    value = obj.get(name)
+    if not isinstance(value, str) or (not value and not empty):
+        raise errors.invalid_request(
+            f"Missing required parameter: '{where}.{name}'.",
+            param=f"{where}.{name}",
+            code="missing_required_parameter",
+        )
+    return value
 
 
 def arguments_object(arguments: str) -> dict:

@@ -34,6 +34,7 @@ from serve_app.dialects.base import (
     chat_frames,
     chat_message,
     named_event,
+    required_string,
     rewrite,
     text_of,
 )
@@ -312,10 +313,10 @@ def chat_messages(message: dict, param: str) -> list[dict]:
         elif kind == "tool_use" and role == "assistant":
             calls.append(
                 {
-                    "id": _string(block, "id", where),
+                    "id": required_string(block, "id", where),
                     "type": "function",
                     "function": {
-                        "name": _string(block, "name", where),
+                        "name": required_string(block, "name", where),
                         "arguments": json.dumps(block.get("input") or {}),
                     },
                 }
@@ -327,7 +328,7 @@ def chat_messages(message: dict, param: str) -> list[dict]:
             results.append(
                 {
                     "role": "tool",
-                    "tool_call_id": _string(block, "tool_use_id", where),
+                    "tool_call_id": required_string(block, "tool_use_id", where),
                     "content": text,
                 }
             )
@@ -370,17 +371,6 @@ def _image_url(block: dict, where: str) -> str:
     )
 
 
-def _string(block: dict, name: str, where: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str) or not value:
-        raise errors.invalid_request(
-            f"Missing required parameter: '{where}.{name}'.",
-            param=f"{where}.{name}",
-            code="missing_required_parameter",
-        )
-    return value
-
-
 def chat_tools(tools: list[dict]) -> list[dict]:
     out = []
     for i, tool in enumerate(tools):
@@ -391,7 +381,7 @@ def chat_tools(tools: list[dict]) -> list[dict]:
                 param=f"tools.{i}.type",
                 code="unsupported_tool",
             )
-        name = _string(tool, "name", f"tools.{i}")
+        name = required_string(tool, "name", f"tools.{i}")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise errors.invalid_request(

@@ -34,6 +34,7 @@ from serve_app.dialects.base import (
     chat_frames,
     chat_message,
     named_event,
+    required_string,
     rewrite,
     text_of,
 )
@@ -422,11 +423,11 @@ def input_messages(value: str | list[dict]) -> list[dict]:
             messages.append(_message(item, param))
         elif kind == "function_call":
             call = {
-                "id": _string(item, "call_id", param),
+                "id": required_string(item, "call_id", param),
                 "type": "function",
                 "function": {
-                    "name": _string(item, "name", param),
-                    "arguments": _string(item, "arguments", param, empty=True),
+                    "name": required_string(item, "name", param),
+                    "arguments": required_string(item, "arguments", param, empty=True),
                 },
             }
             last = messages[-1] if messages else None
@@ -444,7 +445,7 @@ def input_messages(value: str | list[dict]) -> list[dict]:
             messages.append(
                 {
                     "role": "tool",
-                    "tool_call_id": _string(item, "call_id", param),
+                    "tool_call_id": required_string(item, "call_id", param),
                     "content": text_of(output, *_TEXT_PARTS),
                 }
             )
@@ -490,17 +491,6 @@ def _message(item: dict, param: str) -> dict:
     if all(p["type"] == "text" for p in parts):
         return {"role": role, "content": "".join(p["text"] for p in parts)}
     return {"role": role, "content": parts}
-
-
-def _string(item: dict, name: str, param: str, *, empty: bool = False) -> str:
-    value = item.get(name)
-    if not isinstance(value, str) or (not value and not empty):
-        raise errors.invalid_request(
-            f"Missing required parameter: '{param}.{name}'.",
-            param=f"{param}.{name}",
-            code="missing_required_parameter",
-        )
-    return value
 
 
 def chat_tools(tools: list[dict]) -> list[dict]:
