@@ -215,13 +215,14 @@ class ResponsesDialect:
 
     async def _stream(self, turn: Turn, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         events = _Events()
-        yield events("response.created", response=turn.response("in_progress", [], None))
-        yield events("response.in_progress", response=turn.response("in_progress", [], None))
+        started = turn.response("in_progress", [], None)
+        yield events("response.created", response=started)
+        yield events("response.in_progress", response=started)
         output: list[dict] = []
         message: dict | None = None  # the text item, while it is open
-        text: list[str] = []
+        text: list[str] = []  # all of the answer's text; message_text: the open item's
         calls = ToolCallDeltas()
-        items: dict[int, dict] = {}  # id() of a call ToolCallDeltas gathers → its item
+        items: dict[int, tuple[int, dict]] = {}  # id() of a gathered call → (index, its item)
         usage, finish, failed = None, None, False
         async for kind, payload in chat_frames(chunks):
             if kind == "comment":
@@ -246,62 +247,66 @@ class ResponsesDialect:
                 if isinstance(content, str) and content:
                     if message is None:
                         message = message_item("", "in_progress")
+                        message_index, message_text = len(output), []
                         output.append(message)
                         yield events(
-                            "response.output_item.added", output_index=len(output) - 1, item=message
+                            "response.output_item.added", output_index=message_index, item=message
                         )
                         yield events(
                             "response.content_part.added",
                             item_id=message["id"],
-                            output_index=len(output) - 1,
+                            output_index=message_index,
                             content_index=0,
                             part=_text_part(""),
                         )
                     text.append(content)
+                    message_text.append(content)
                     yield events(
                         "response.output_text.delta",
                         item_id=message["id"],
-                        output_index=output.index(message),
+                        output_index=message_index,
                         content_index=0,
                         delta=content,
                         logprobs=[],
                     )
                 for opened, call, arguments in calls.feed(delta):
                     if opened:
-                        if message is not None:
-                            for event in _text_done(events, output, message, "".join(text)):
+                        if message is not None:  # the text before the calls is done
+                            for event in _text_done(events, message_index, message, message_text):
                                 yield event
-                        item = items[id(call)] = function_call_item(call, "in_progress")
+                            message = None
+                        item = function_call_item(call, "in_progress")
                         item["arguments"] = ""
+                        items[id(call)] = (len(output), item)
                         output.append(item)
                         yield events(
                             "response.output_item.added", output_index=len(output) - 1, item=item
                         )
-                    item = items[id(call)]
+                    index, item = items[id(call)]
                     if arguments:
                         item["arguments"] += arguments
                         yield events(
                             "response.function_call_arguments.delta",
                             item_id=item["id"],
-                            output_index=output.index(item),
+                            output_index=index,
                             delta=arguments,
                         )
                 finish = choice.get("finish_reason") or finish
         if failed:
             return
-        if message is not None and message["status"] == "in_progress":
-            for event in _text_done(events, output, message, "".join(text)):
+        if message is not None:
+            for event in _text_done(events, message_index, message, message_text):
                 yield event
-        for item in items.values():
+        for index, item in items.values():
             item["status"] = "completed"
             yield events(
                 "response.function_call_arguments.done",
                 item_id=item["id"],
-                output_index=output.index(item),
+                output_index=index,
                 name=item["name"],
                 arguments=item["arguments"],
             )
-            yield events("response.output_item.done", output_index=output.index(item), item=item)
+            yield events("response.output_item.done", output_index=index, item=item)
         incomplete = "max_output_tokens" if finish == "length" else None
         obj = turn.response(
             "incomplete" if incomplete else "completed",
@@ -340,17 +345,18 @@ class _Events:
         return named_event(kind, payload)
 
 
-def _text_done(events: _Events, output: list[dict], message: dict, text: str) -> list[bytes]:
-    index = output.index(message)
+def _text_done(events: _Events, index: int, message: dict, text: list[str]) -> list[bytes]:
+    """The open text item's closing events; its text is what was said so far."""
+    said = "".join(text)
     message["status"] = "completed"
-    message["content"] = [_text_part(text)]
+    message["content"] = [_text_part(said)]
     return [
         events(
             "response.output_text.done",
             item_id=message["id"],
             output_index=index,
             content_index=0,
-            text=text,
+            text=said,
             logprobs=[],
         ),
         events(
@@ -358,7 +364,7 @@ def _text_done(events: _Events, output: list[dict], message: dict, text: str) ->
             item_id=message["id"],
             output_index=index,
             content_index=0,
-            part=_text_part(text),
+            part=_text_part(said),
         ),
         events("response.output_item.done", output_index=index, item=message),
     ]
