@@ -7,17 +7,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import anthropic
-import httpx
 import httpx2
 import openai
 import pytest
 
-from serve_app.config.models import load_config
 from serve_app.gateway.server import Gateway
-from serve_app.local import build_local_gateway
-from tests.gateway.test_server import KEY, KEY_ENV, UPSTREAM_KEY, forge_args, upstream
+from tests.gateway import test_server
+from tests.gateway.test_server import CAPPED_KEY, KEY, http
 
-OTHER_KEY = "sk-test-capped"  # the capped tenant of forge_args: another tenant's view
+# The gateway test's own in-process gateway, served to these tests as the same fixture.
+gateway = test_server.gateway
+OTHER_KEY = CAPPED_KEY  # the capped tenant of test_server's forge_args: another tenant's view
 STATUS_SCHEMA = {
     "type": "object",
     "properties": {"service": {"type": "string"}},
@@ -26,23 +26,9 @@ STATUS_SCHEMA = {
 ASK = "What is the service status of checkout?"
 
 
-@pytest.fixture
-async def gateway(monkeypatch) -> AsyncIterator[Gateway]:
-    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
-    gateway = build_local_gateway(load_config(forge_args()), fallback_transport=upstream())
-    async with gateway.lifespan():
-        yield gateway
-
-
-def asgi(gateway: Gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        transport=httpx.ASGITransport(gateway.asgi_app()), base_url="http://forge.test"
-    )
-
-
 def openai_client(gateway: Gateway, key: str = KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
-        base_url="http://forge.test/v1", api_key=key, http_client=asgi(gateway), max_retries=0
+        base_url="http://forge.test/v1", api_key=key, http_client=http(gateway), max_retries=0
     )
 
 

@@ -7,7 +7,7 @@ import anthropic
 import pytest
 
 from serve_app.gateway.server import Gateway
-from tests.dialects.conftest import ASK, STATUS_SCHEMA, anthropic_client, asgi
+from tests.dialects.conftest import ASK, STATUS_SCHEMA, anthropic_client, http
 from tests.gateway.test_server import CAPPED_KEY, KEY, MODEL
 
 TOOL = {
@@ -108,12 +108,12 @@ async def test_count_tokens_is_what_the_budgets_reserve(claude):
 
 async def test_a_bearer_key_works_as_well_as_x_api_key(gateway: Gateway):
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
-    async with asgi(gateway) as http:
-        bearer = await http.post(
+    async with http(gateway) as client:
+        bearer = await client.post(
             "/v1/messages", json=body, headers={"authorization": f"Bearer {KEY}"}
         )
-        api_key = await http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
-        wrong = await http.post("/v1/messages", json=body, headers={"x-api-key": "sk-wrong"})
+        api_key = await client.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+        wrong = await client.post("/v1/messages", json=body, headers={"x-api-key": "sk-wrong"})
     assert bearer.status_code == api_key.status_code == 200
     assert wrong.status_code == 401
     assert wrong.json()["error"]["type"] == "authentication_error"
@@ -159,8 +159,8 @@ async def test_a_bearer_key_works_as_well_as_x_api_key(gateway: Gateway):
     ],
 )
 async def test_errors_are_in_anthropics_shape(gateway: Gateway, body, status, kind):
-    async with asgi(gateway) as http:
-        answer = await http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    async with http(gateway) as client:
+        answer = await client.post("/v1/messages", json=body, headers={"x-api-key": KEY})
     assert answer.status_code == status, answer.text
     payload = answer.json()
     assert payload["type"] == "error" and payload["error"]["type"] == kind

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from serve_app.gateway.server import Gateway
-from tests.dialects.conftest import ASK, OTHER_KEY, STATUS_SCHEMA, asgi, openai_client
+from tests.dialects.conftest import ASK, OTHER_KEY, STATUS_SCHEMA, http, openai_client
 from tests.gateway.test_server import CAPPED_KEY, KEY, MODEL
 
 TOOL = {"type": "function", "name": "get_service_status", "parameters": STATUS_SCHEMA}
@@ -162,8 +162,8 @@ async def test_stored_responses_belong_to_their_tenant_and_can_be_deleted(gatewa
 )
 async def test_what_cannot_be_served_is_a_400_naming_the_field(gateway: Gateway, extra, param):
     body = {"model": MODEL, "input": "Hello", **extra}
-    async with asgi(gateway) as http:
-        answer = await http.post(
+    async with http(gateway) as client:
+        answer = await client.post(
             "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"}
         )
     assert answer.status_code == 400, answer.text
