@@ -547,13 +547,21 @@ def test_deletion_delay_check_catches_kuberays_default_and_a_short_delay(renders
 SM75_ATTENTION = {"TRITON_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"}
 
 
+def pool_applications(rayservice: dict) -> list[dict]:
+    """Each pool as its own application runs it (``args.pool``: its engine and deployment; the
+    gateway's ``pools`` entries only name them)."""
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    return [
+        app["args"]["pool"] for app in config["applications"] if "pool" in (app.get("args") or {})
+    ]
+
+
 def t4_attention_problems(rayservice: dict) -> list[str]:
     """Every generation pool of vLLM on a T4 pins an attention backend with SM 7.5 kernels
     (issue 32, item 13): left to vLLM, the choice is a guess that changes between releases."""
     problems = []
-    for app in yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]:
-        pool = (app.get("args") or {}).get("pool")
-        if pool is None or pool.get("engine", {}).get("kind") != "vllm":
+    for pool in pool_applications(rayservice):
+        if pool.get("engine", {}).get("kind") != "vllm":
             continue
         options = pool.get("deployment", {}).get("ray_actor_options", {})
         if options.get("accelerator_type") != "T4" or pool.get("task", "generate") != "generate":
@@ -797,18 +805,15 @@ def gpu_budget_problems(rayservice: dict, terraform_nodes: int) -> list[str]:
     pods. Otherwise the last replica asked stays Pending, and when it is the embed pool's, the
     T4 it took from chat is the one a chat replica waits for (issue 32, item 9)."""
     problems = []
-    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
     demand = 0.0
-    for app in config["applications"]:
-        args = app.get("args") or {}
-        for pool in args.get("pools", []) + ([args["pool"]] if "pool" in args else []):
-            deployment = pool.get("deployment", {})
-            gpus = deployment.get("ray_actor_options", {}).get("num_gpus", 0)
-            if gpus:
-                replicas = (deployment.get("autoscaling_config") or {}).get(
-                    "max_replicas", deployment.get("num_replicas", 1)
-                )
-                demand += gpus * replicas
+    for pool in pool_applications(rayservice):
+        deployment = pool.get("deployment", {})
+        gpus = deployment.get("ray_actor_options", {}).get("num_gpus", 0)
+        if gpus:
+            replicas = (deployment.get("autoscaling_config") or {}).get(
+                "max_replicas", deployment.get("num_replicas", 1)
+            )
+            demand += gpus * replicas
     group = gpu_group(rayservice)
     per_pod = float(
         ray_container(group["template"]["spec"])["resources"]["limits"]["nvidia.com/gpu"]

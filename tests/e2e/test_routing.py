@@ -44,6 +44,16 @@ def _warm_and_idle(report: dict[str, float]) -> bool:
     return report["prefix_cache_queries"] > 0 and not busy
 
 
+def _await_warm_and_idle(metric, replica: str, showing: str) -> None:
+    eventually(
+        lambda: _warm_and_idle(_last_report(metric, replica)),
+        timeout_s=10,
+        interval_s=0.2,
+        what=f"a routing-stats report of {replica} {showing}, idle",
+        explain=lambda: _last_report(metric, replica),
+    )
+
+
 @pytest.mark.parametrize("policy", ["prefix-affinity", "kv-aware"])
 def test_a_shared_prefix_lands_on_the_replica_that_caches_it(openai_client, metric, policy):
     deployment, model = f"pool-{policy}", f"forge-{policy}"
@@ -51,13 +61,7 @@ def test_a_shared_prefix_lands_on_the_replica_that_caches_it(openai_client, metr
     # Routers read replicas' reports (every 0.2 s): kv_aware finds the prefix in them, and both
     # policies read a replica's load there (a report from mid-request shows the warm replica
     # busy, and a busy warm replica can lose to an idle cold one).
-    eventually(
-        lambda: _warm_and_idle(_last_report(metric, first)),
-        timeout_s=10,
-        interval_s=0.2,
-        what=f"a routing-stats report of {first} ({policy}) showing its prefix cached, idle",
-        explain=lambda: _last_report(metric, first),
-    )
+    _await_warm_and_idle(metric, first, f"({policy}) showing its prefix cached")
     hits_before = _hits(deployment, first)
     followers = {_ask(openai_client, model, f"and rule {i}?") for i in range(4)}
     assert followers == {first}, "every request with the prefix went to the warm replica"
@@ -141,13 +145,7 @@ def test_a_conversations_follow_up_goes_to_the_replica_that_holds_it(openai_clie
         max_output_tokens=2,
     )
     first, opened = opening.headers["x-forge-replica"], opening.parse().id
-    eventually(
-        lambda: _warm_and_idle(_last_report(metric, first)),
-        timeout_s=10,
-        interval_s=0.2,
-        what=f"a routing-stats report of {first} showing the conversation cached, idle",
-        explain=lambda: _last_report(metric, first),
-    )
+    _await_warm_and_idle(metric, first, "showing the conversation cached")
     followers = {
         openai_client.responses.with_raw_response.create(
             model=model, previous_response_id=opened, input=f"and rule {i}?", max_output_tokens=2
