@@ -548,12 +548,14 @@ SM75_ATTENTION = {"TRITON_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"}
 
 
 def pool_applications(rayservice: dict) -> list[dict]:
-    """Each pool as its own application runs it (``args.pool``: its engine and deployment; the
-    gateway's ``pools`` entries only name them)."""
-    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
-    return [
-        app["args"]["pool"] for app in config["applications"] if "pool" in (app.get("args") or {})
-    ]
+    """Each pool as whatever runs it configures it: its own application's ``args.pool``, or the
+    gateway's ``pools`` entry for a pool with no ``app`` (an entry with one only names it)."""
+    pools = []
+    for app in yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]:
+        args = app.get("args") or {}
+        pools += [p for p in args.get("pools", []) if p.get("app") is None]
+        pools += [args["pool"]] if "pool" in args else []
+    return pools
 
 
 def t4_attention_problems(rayservice: dict) -> list[str]:
