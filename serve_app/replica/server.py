@@ -108,6 +108,8 @@ class Replica:
         self.open_streams = 0
         # The generations of those streams by the gateway's request id, for ``abandoned_usage``.
         self._generations: dict[str, list[_Generation]] = {}
+        # And the non-streamed generations by request id, for the same question.
+        self._completions: dict[str, list[asyncio.Future]] = {}
 
     async def _ensure_started(self) -> None:
         if not self._started:
@@ -190,7 +192,18 @@ class Replica:
         with self._span(trace_context, request_id) as span:
             await self._ensure_started()
             await self.faults.before_first_frame()
-            response, _ = await self.engine.complete(body, kind, request_id)
+            # A task of its own, so the gateway's ``abandoned_usage`` can end it at once (as it
+            # ends a stream) rather than wait for Serve's cancellation; the engine records
+            # what an ended generation cost. Cancelling this call cancels the task too.
+            generation = asyncio.ensure_future(self.engine.complete(body, kind, request_id))
+            running = self._completions.setdefault(request_id, [])
+            running.append(generation)
+            try:
+                response, _ = await generation
+            finally:
+                running.remove(generation)
+                if not running:
+                    self._completions.pop(request_id, None)
             self.faults.after_frame(self.faults.spec.after_frames)
             describe_usage(span, response.get("usage"))
             return {"response": response, "replica": self.replica_id}
@@ -243,9 +256,10 @@ class Replica:
     async def abandoned_usage(
         self, wait_s: float = 1.0, *, request_id: str, replica_id: str | None = None
     ) -> dict | None:
-        """What an aborted stream of this replica cost (OpenAI ``usage``), once: the gateway
-        asks right after its client left, to charge exactly what the engine produced. Asked
-        of another replica (the one that served it is gone), None at once."""
+        """What an aborted generation of this replica cost (OpenAI ``usage``), once: the
+        gateway asks right after its client left (mid-stream, or before a non-streamed answer
+        came), to charge exactly what the engine produced. Asked of another replica (the one
+        that served it is gone), None at once."""
         if replica_id is not None and replica_id != self.replica_id:
             return None
         # The gateway has closed its end; Serve's cancellation of this stream may still be on
@@ -253,6 +267,8 @@ class Replica:
         # now, the generation ends now, so its cost is known within the wait, not after it.
         for generation in list(self._generations.get(request_id, ())):
             generation.end()
+        for completion in list(self._completions.get(request_id, ())):
+            completion.cancel()
         usage = await self.engine.abandoned.collect(request_id, wait_s)
         return None if usage is None else usage.to_openai()
 

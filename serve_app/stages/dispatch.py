@@ -131,7 +131,8 @@ class Dispatch:
                     raise
                 failure, probed = err, attempt.probe or attempt.replica_probe
             except asyncio.CancelledError:  # the client left before the first byte
-                attempt.settle(ctx, Outcome.NEUTRAL)
+                attempt.settle(ctx, Outcome.NEUTRAL)  # and learns the replica it went to
+                await _charge_abandoned(ctx, attempt.backend)
                 raise
         raise failure or self._none_available(candidates)
 
@@ -237,10 +238,7 @@ class Dispatch:
 
         async def close_source() -> None:
             await source.aclose()
-            if ctx.usage is None and backend.pool is not None and ctx.replica:
-                # Ended early (the client left, or it failed mid-way): the replica aborted the
-                # generation; charge what its engine produced, not an estimate.
-                ctx.usage = await backend.pool.abandoned_usage(ctx.key, ctx.replica)
+            await _charge_abandoned(ctx, backend)  # ended early: the client left, or it failed
 
         return EventStream(
             relay(ctx, head, source, lambda outcome: attempt.settle(ctx, outcome)),
@@ -295,6 +293,15 @@ class _Plan:
                 sent_at=breakers.now() if breakers is not None else None,
             )
         return None
+
+
+async def _charge_abandoned(ctx: RequestContext, backend: Backend) -> None:
+    """A request that ended before its usage came (a stream left mid-way; any request whose
+    client left before the first byte, a non-streamed one mid-generation included): the
+    replica aborted the generation, and the tenant is charged what its engine produced, not an
+    estimate and not nothing. Shielded: it runs as the request is being cancelled."""
+    if ctx.usage is None and backend.pool is not None and ctx.replica:
+        ctx.usage = await asyncio.shield(backend.pool.abandoned_usage(ctx.key, ctx.replica))
 
 
 def _with_retry(candidates: Sequence[Backend]) -> list[Backend]:

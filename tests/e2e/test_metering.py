@@ -2,16 +2,17 @@
 themselves counted, token for token, and Prometheus says the same.
 
 The run mixes what makes metering hard, on the chat, Responses and Messages routes alike:
-streams and non-streams, cache hits, clients that leave mid-stream (charged what the engine
-produced, collected from the replica after the abort), and requests whose first try failed on
-the pool and were served by the fallback (charged once). The ground truth is the engines' own
-cumulative counters: the metered pool's replicas (nobody else sends to them) and the mock
-fallback's engine (``GET /mock/stats``), read before and after.
+streams and non-streams, cache hits, clients that leave mid-stream or before a non-streamed
+answer came (charged what the engine produced, collected from the replica after the abort),
+and requests whose first try failed on the pool and were served by the fallback (charged once).
+The ground truth is the engines' own cumulative counters: the metered pool's replicas (nobody
+else sends to them) and the mock fallback's engine (``GET /mock/stats``), read before and after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 
 import anthropic
@@ -32,7 +33,7 @@ from tests.polling import eventually
 pytestmark = pytest.mark.e2e
 
 MODEL = "forge-metered"
-PLAIN, STREAMED, CACHED, DROPPED, FAILED_OVER = 8, 8, 4, 6, 6
+PLAIN, STREAMED, CACHED, DROPPED, LEFT, FAILED_OVER = 8, 8, 4, 6, 4, 6
 # Per dialect (the Responses and Messages APIs): plain and streamed; a cache miss then a hit as
 # a stream; and one request failed over.
 SPOKEN = 3
@@ -120,6 +121,15 @@ async def mixed_run(forge_url: str, faults) -> int:
                 if seen == 5:
                     return  # leaves mid-stream: the connection closes
 
+    async def left(i: int) -> None:
+        """A non-streamed request whose client gives up mid-generation."""
+        body = {**ask(i), "max_tokens": 2000, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=forge_url, timeout=0.5) as http:
+            with contextlib.suppress(httpx.ReadTimeout):
+                await http.post("/v1/chat/completions", json=body, headers=headers)
+                raise AssertionError("a 2,000-token answer came within half a second")
+
     claude = anthropic.AsyncAnthropic(base_url=forge_url, api_key=key, max_retries=0)
 
     def said(i: int) -> str:
@@ -155,10 +165,11 @@ async def mixed_run(forge_url: str, faults) -> int:
             *(client.chat.completions.create(**ask(i), max_tokens=24) for i in range(PLAIN)),
             *(streamed(100 + i, max_tokens=24) for i in range(STREAMED)),
             *(dropped(200 + i) for i in range(DROPPED)),
+            *(left(250 + i) for i in range(LEFT)),
             *(response(500 + i, stream=i % 2 == 1) for i in range(SPOKEN)),
             *(message(600 + i, stream=i % 2 == 1) for i in range(SPOKEN)),
         )
-        sent = PLAIN + STREAMED + DROPPED + 2 * SPOKEN
+        sent = PLAIN + STREAMED + DROPPED + LEFT + 2 * SPOKEN
         # A miss, then a hit as this API's stream. Each its own prompt: the two APIs'
         # translations of one question are one chat request, and share its cache entry.
         for i, speak in enumerate((response, message)):
@@ -226,9 +237,10 @@ def test_usage_equals_the_backends_own_counts_exactly(forge_url, metrics_port, f
     )
     used = delta(report(forge_url), report_before)
     generated = delta(engine_counts(forge_url), engines_before)
-    # Every dropped stream is charged the engine's own count, none the gateway's estimate: the
-    # replica ends a generation when the gateway asks what it cost, not when Serve's
-    # cancellation reaches it (``Replica.abandoned_usage``).
+    # Every dropped stream and every request left before its answer is charged the engine's own
+    # count, none the gateway's estimate nor nothing: the replica ends a generation when the
+    # gateway asks what it cost, not when Serve's cancellation reaches it
+    # (``Replica.abandoned_usage``).
     assert used["estimated_requests"] == 0, used
     assert used["prompt_tokens"] == generated["prompt_tokens"], (used, generated)
     assert used["completion_tokens"] == generated["completion_tokens"], (used, generated)

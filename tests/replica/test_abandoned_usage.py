@@ -1,8 +1,12 @@
-"""What a stream whose caller left cost, asked of the replica right after (``abandoned_usage``):
-exactly what the engine generated, wherever the caller left, so the tenant is charged the
-engine's count and never the gateway's estimate."""
+"""What a generation whose caller left cost, asked of the replica right after
+(``abandoned_usage``): exactly what the engine generated, wherever the caller left (mid-stream,
+or before a non-streamed answer came), so the tenant is charged the engine's count and never the
+gateway's estimate, nor nothing."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 from serve_app.replica.server import Replica
 from tests.polling import eventually_async
@@ -85,3 +89,57 @@ async def test_a_finished_generation_parked_unread_is_charged_once():
     assert usage is not None and usage["completion_tokens"] == 12
     await stream.aclose()
     assert await r.abandoned_usage(0.05, request_id="req-finished", replica_id=r.replica_id) is None
+
+
+UNSTREAMED = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hello"}],
+    "max_tokens": 2000,
+    "ignore_eos": True,
+}
+
+
+async def _generating(r: Replica, request_id: str):
+    """A non-streamed call under way, its engine some tokens into the generation."""
+    call = asyncio.ensure_future(r.complete(UNSTREAMED, "chat", request_id))
+    await eventually_async(
+        lambda: r.engine.llm.generation_tokens >= 3,
+        timeout_s=5,
+        what="the engine to generate a few tokens",
+        explain=r.stats,
+    )
+    return call
+
+
+async def test_a_non_streamed_call_cancelled_mid_generation_is_charged_what_was_generated():
+    """Serve cancels the replica's call when the gateway's client left; the prompt and the
+    tokens generated so far are what the engine spent, and the gateway asks for them."""
+    r = replica()
+    call = await _generating(r, "req-unstreamed")
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    usage = await r.abandoned_usage(1.0, request_id="req-unstreamed", replica_id=r.replica_id)
+    assert usage is not None and 0 < usage["completion_tokens"] < 2000
+    assert usage["prompt_tokens"] > 0
+    assert usage["completion_tokens"] == r.engine.llm.generation_tokens
+    assert r.engine.llm.num_requests_running == 0
+
+
+async def test_asked_before_serve_cancels_it_a_non_streamed_call_is_ended_by_the_replica():
+    """The gateway's question may come before Serve's cancellation of the call (or instead of
+    it): the replica ends the generation itself, so the answer is the cost, not a timeout."""
+    r = replica()
+    call = await _generating(r, "req-unstreamed-parked")
+    usage = await r.abandoned_usage(
+        1.0, request_id="req-unstreamed-parked", replica_id=r.replica_id
+    )
+    assert usage is not None and 0 < usage["completion_tokens"] < 2000
+    assert r.engine.llm.num_requests_running == 0  # aborted, not left generating
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    assert call.cancelled() or call.exception() is not None
+    assert (
+        await r.abandoned_usage(0.05, request_id="req-unstreamed-parked", replica_id=r.replica_id)
+        is None
+    )

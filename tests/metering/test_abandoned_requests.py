@@ -1,0 +1,72 @@
+"""A client that leaves before its answer is charged what the engine spent on it: through the
+in-process gateway (``tests/gateway/test_server.py``'s), real replicas and engines, the client's
+request cancelled as Serve cancels a request whose client went, then the tenant's usage in the
+ledger read against the engines' own counters."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+
+from serve_app.config.models import load_config
+from serve_app.local import build_local_gateway
+from tests.gateway.test_server import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_args, http
+from tests.gateway.test_server import upstream as mock_upstream
+from tests.polling import eventually_async
+
+LONG = {"max_tokens": 2000, "ignore_eos": True}
+
+
+def engine_totals(gateway) -> dict[str, int]:
+    stats = [r.stats() for r in gateway.backends["primary"].replicas.values()]
+    return {
+        "prompt_tokens": sum(s["prompt_tokens"] for s in stats),
+        "completion_tokens": sum(s["generation_tokens"] for s in stats),
+        "running": sum(s["num_requests_running"] + s["num_requests_waiting"] for s in stats),
+    }
+
+
+async def test_a_non_streamed_request_cancelled_mid_generation_is_charged_the_engines_count(
+    monkeypatch,
+):
+    """It was charged nothing, though the engine had spent a prompt and some tokens on it (a
+    stream left mid-way was already charged exactly: ``test_metering`` end to end)."""
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    args = forge_args()
+    args["pools"][0]["engine"] = {**FAST, "decode_base_s": 0.005}  # to cancel mid-generation
+    gateway = build_local_gateway(load_config(args), fallback_transport=mock_upstream())
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me everything about gateways"}],
+        **LONG,
+    }
+    async with gateway.lifespan(), http(gateway) as client:
+        before = engine_totals(gateway)
+        sent = asyncio.create_task(
+            client.post(
+                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
+            )
+        )
+        await eventually_async(
+            lambda: engine_totals(gateway)["completion_tokens"] - before["completion_tokens"] >= 5,
+            timeout_s=10,
+            what="the engine to generate a few tokens of the request",
+        )
+        sent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+        await eventually_async(
+            lambda: engine_totals(gateway)["running"] == 0,
+            timeout_s=5,
+            what="the engine to have aborted the generation",
+        )
+        await gateway.ledger.flush()
+        today = dt.datetime.now(dt.UTC).date()
+        (row,) = await gateway.ledger.read(["alpha"], today, today, by_day=False)
+        after = engine_totals(gateway)
+    spent = {k: after[k] - before[k] for k in ("prompt_tokens", "completion_tokens")}
+    assert 5 <= spent["completion_tokens"] < 2000
+    assert row.counts.get("estimated_requests", 0) == 0, row.counts
+    assert row.counts["prompt_tokens"] == spent["prompt_tokens"], (row.counts, spent)
+    assert row.counts["completion_tokens"] == spent["completion_tokens"], (row.counts, spent)
