@@ -235,7 +235,8 @@ class VLLMEngine(Engine):
         yield usage
 
     def _record_abandoned(self, request_id: str, usage: Usage | None) -> None:
-        """What a stream that will not yield its ``Usage`` cost, for ``Replica.abandoned_usage``.
+        """What a stream that will not yield its ``Usage`` cost (or a non-streamed generation
+        cancelled: ``_abandon``), for ``Replica.abandoned_usage``.
 
         Exactly the streams whose ``Usage`` never reaches the replica are recorded here, and the
         replica records a ``Usage`` only once it has it, so no stream is charged twice: a stream
@@ -251,13 +252,19 @@ class VLLMEngine(Engine):
         if kind == "embedding":
             return await self._embed(body, request_id)
         request, vllm_ids = self._request(body, kind, request_id, stream=False)
-        try:
-            response = await self._serve(request, kind)
-        except asyncio.CancelledError:
-            # Not recorded in ``abandoned``: only a stream's cost is ever asked for (the
-            # gateway's question follows a stream it closed early; ``Dispatch._stream``).
-            await self._abort(vllm_ids)
-            raise
+        with self._counts.open(vllm_ids, kind) as count:
+            try:
+                response = await self._serve(request, kind)
+            except asyncio.CancelledError:
+                await self._abandon(request_id, vllm_ids, count)
+                raise
+            except errors.ForgeError:
+                if not _being_cancelled():
+                    raise
+                # vLLM's serving layer answers a cancelled generation with an error ("Client
+                # disconnected") instead of letting the cancellation through.
+                await self._abandon(request_id, vllm_ids, count)
+                raise asyncio.CancelledError from None
         # What vLLM's server returns for it (JSONResponse(content=response.model_dump())).
         body_out = response.model_dump()
         return body_out, _usage_of(body_out["usage"])
@@ -302,6 +309,12 @@ class VLLMEngine(Engine):
             error = response.get("error") or {}
             raise _forge_error(result.status_code, error.get("message", ""), error.get("param"))
         return response, _usage_of(response["usage"])
+
+    async def _abandon(self, request_id: str, vllm_ids: list[str], count: StreamCount) -> None:
+        """A non-streamed generation cancelled (its caller left): aborted now, and what it cost
+        so far recorded for the gateway's question (``Replica.abandoned_usage``)."""
+        await self._abort(vllm_ids)
+        self._record_abandoned(request_id, count.usage())
 
     async def _abort(self, vllm_ids: list[str]) -> None:
         with contextlib.suppress(Exception):  # already finished, or the engine is gone
@@ -435,8 +448,10 @@ class StreamCounts:
         """
 
         def generate_counted(prompt, sampling_params, request_id, *args, **kwargs):
-            outputs = generate(prompt, sampling_params, request_id, *args, **kwargs)
             count = self._open.get(request_id)
+            if count is not None:
+                _every_output(sampling_params, count)
+            outputs = generate(prompt, sampling_params, request_id, *args, **kwargs)
             if count is None:
                 return outputs
             count.started(request_id)
@@ -462,6 +477,7 @@ class StreamCount:
         self.unstarted = set(vllm_ids)
         self.encoder_prompt = encoder_prompt
         self.broken = False
+        self.blind = False  # it sees a generation's final output only (``_every_output``)
         self._prompt_tokens: dict[str, int] = {}
         self._completion_tokens: dict[tuple[str, int], int] = {}
         self._cached_tokens: int | None = None  # None until the first output
@@ -489,14 +505,34 @@ class StreamCount:
 
     def usage(self) -> Usage | None:
         """The count, or None if it cannot be trusted: a generation never started under the
-        ids Forge expected (a vLLM that names them otherwise; beam search), or counting failed."""
-        if self.unstarted or self.broken:
+        ids Forge expected (a vLLM that names them otherwise; beam search), counting failed, or
+        it sees only final outputs."""
+        if self.unstarted or self.broken or self.blind:
             return None
         return Usage(
             prompt_tokens=sum(self._prompt_tokens.values()),
             completion_tokens=sum(self._completion_tokens.values()),
             cached_tokens=self._cached_tokens or 0,
         )
+
+
+def _every_output(sampling_params: Any, count: StreamCount) -> None:
+    """A non-streamed generation's outputs, one a step, so an abort is counted.
+
+    vLLM's serving layer asks only for the final output of a non-streamed request
+    (``FINAL_ONLY``), so one aborted mid-way has shown nothing of what it cost. Asked for
+    cumulative outputs instead, it takes the last one as it would the final one (its full
+    generators keep the last output they see). Not with ``n`` > 1: vLLM then sends each choice
+    apart, and the last output would hold one choice; such a count cannot be trusted once
+    aborted (the gateway charges its estimate, flagged as such).
+    """
+    kind = getattr(sampling_params, "output_kind", None)
+    if getattr(kind, "name", None) != "FINAL_ONLY":
+        return
+    if getattr(sampling_params, "n", 1) == 1:
+        sampling_params.output_kind = type(kind)["CUMULATIVE"]
+    else:
+        count.blind = True
 
 
 async def _counting(
@@ -513,6 +549,11 @@ async def _counting(
                     count.broken = True
                     logger.exception("could not count vLLM's output for %s", vllm_id)
             yield output
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _vllm_request_ids(kind: Kind, base_id: str, body: dict) -> list[str]:

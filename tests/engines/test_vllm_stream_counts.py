@@ -1,4 +1,4 @@
-"""What an abandoned stream on the vLLM engine cost, without vLLM.
+"""What an abandoned stream (or non-streamed generation) on the vLLM engine cost, without vLLM.
 
 ``StreamCounts`` counts vLLM's ``RequestOutput`` on their way from ``AsyncLLM.generate`` to
 vLLM's serving layer; ``VLLMEngine.stream`` records the count of a stream that ends without
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -367,3 +368,45 @@ async def test_an_output_that_cannot_be_counted_breaks_the_count_not_the_stream(
 
     assert len(seen) == 3
     assert count.usage() is None  # unknown: the gateway estimates
+
+
+# -- a non-streamed generation (vLLM's FINAL_ONLY outputs) ---------------------------------------
+
+
+class OutputKind(enum.Enum):  # vLLM's RequestOutputKind, by its names
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+async def test_a_counted_final_only_generation_is_asked_for_every_output_instead():
+    """vLLM shows a non-streamed generation only its final output: one aborted mid-way would
+    have shown nothing. Counted, it is asked for cumulative outputs (the serving layer keeps
+    the last one, as it kept the final one) and an abort after three steps costs three."""
+    counts = StreamCounts()
+    seen: list[str] = []
+
+    async def generate(prompt, sampling_params, request_id, **kwargs):
+        seen.append(sampling_params.output_kind.name)
+        async for output in cumulative_generate(prompt, sampling_params, request_id):
+            yield output
+
+    params = SimpleNamespace(output_kind=OutputKind.FINAL_ONLY, n=1)
+    with counts.open(["chatcmpl-r-1"], "chat") as count:
+        await take(counts.counted(generate)({}, params, "chatcmpl-r-1"), 3)
+    assert seen == ["CUMULATIVE"]
+    assert count.usage() == Usage(PROMPT_TOKENS, 3, 0)
+    untouched = SimpleNamespace(output_kind=OutputKind.FINAL_ONLY, n=1)
+    await take(counts.counted(generate)({}, untouched, "chatcmpl-nobody"), 1)
+    assert untouched.output_kind is OutputKind.FINAL_ONLY  # nobody counts it: left as asked
+
+
+async def test_a_final_only_generation_of_several_choices_stays_so_and_its_count_is_unknown():
+    """With ``n`` > 1 vLLM would send each choice apart and the last output would hold one
+    choice: left final-only, so an abort is charged the gateway's estimate, not a guess."""
+    counts = StreamCounts()
+    params = SimpleNamespace(output_kind=OutputKind.FINAL_ONLY, n=2)
+    with counts.open(["chatcmpl-r-1"], "chat") as count:
+        await take(counts.counted(cumulative_generate)({}, params, "chatcmpl-r-1"), 1)
+    assert params.output_kind is OutputKind.FINAL_ONLY
+    assert count.usage() is None

@@ -146,6 +146,57 @@ async def test_cancelling_the_consumer_aborts_the_generation_in_vllm(engine):
     assert generated_tokens() - generated_before < 1800 / 2, "stopped, not run to max_tokens"
 
 
+async def _cancelled_mid_generation(engine, body: dict, request_id: str) -> float:
+    """A non-streamed ``complete`` cancelled (as Serve cancels the replica's call when the
+    gateway's client left) once vLLM has generated some tokens; vLLM's counter before it."""
+    generated_before = generated_tokens()
+    call = asyncio.create_task(engine.complete(body, "chat", request_id))
+    await wait_for(
+        lambda: generated_tokens() - generated_before >= 4, 30, "vLLM to generate a few tokens"
+    )
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    took = await wait_for(lambda: engine.stats().num_requests_running == 0, what="running == 0")
+    assert took < 2.0
+    return generated_before
+
+
+async def test_a_cancelled_non_streamed_chat_is_charged_what_vllm_generated(engine, tokenizer):
+    """Its cost was lost: vLLM's serving layer shows a non-streamed request only its final
+    output, and answers a cancelled one "Client disconnected". Asked for every output, the
+    engine counts it; the count matches vLLM's own counters token for token."""
+    prompt_before = vllm_metric("vllm:prompt_tokens_total")
+    generated_before = await _cancelled_mid_generation(engine, chat(max_tokens=1800), "req-left")
+    usage = await engine.abandoned.collect("req-left", 5.0)
+    assert usage is not None
+    assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
+    assert usage.prompt_tokens == vllm_metric("vllm:prompt_tokens_total") - prompt_before
+    assert 4 <= usage.completion_tokens < 1800
+    assert usage.completion_tokens == generated_tokens() - generated_before
+    assert await engine.abandoned.collect("req-left", 0.05) is None
+
+
+async def test_a_non_streamed_chat_asked_for_every_output_answers_as_before(engine, tokenizer):
+    """The same answer and usage as vLLM's final-only output would give: the full generator
+    keeps the last output it sees, which is the final one."""
+    response, usage = await engine.complete(chat(max_tokens=8), "chat", "req-whole")
+    assert response["choices"][0]["finish_reason"] == "length"
+    assert response["choices"][0]["message"]["content"]
+    assert usage.completion_tokens == response["usage"]["completion_tokens"] == 8
+    assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
+    two, _ = await engine.complete(chat(max_tokens=8, n=2), "chat", "req-two")
+    assert [c["index"] for c in two["choices"]] == [0, 1]  # n > 1: final-only, untouched
+    assert two["usage"]["completion_tokens"] == 16
+
+
+async def test_a_cancelled_non_streamed_chat_of_two_choices_is_not_charged_a_guess(engine):
+    """With ``n`` > 1 vLLM sends each choice apart, so the outputs stay final-only and an abort
+    shows nothing: the engine records nothing, and the gateway charges its estimate, flagged."""
+    await _cancelled_mid_generation(engine, chat(max_tokens=1800, n=2), "req-left-two")
+    assert await engine.abandoned.collect("req-left-two", 0.2) is None
+
+
 async def test_an_abandoned_batched_completion_is_charged_every_prompt(engine, tokenizer):
     """One vLLM generation per prompt (``cmpl-<id>-<i>``), merged by vLLM's serving layer: the
     count of an abandoned stream covers all of them, under the ids Forge aborts by."""
