@@ -3,6 +3,7 @@
     python scripts/doc_commands.py --check        # every documented command has an entry below
     python scripts/doc_commands.py --list         # what the docs document, and where
     python scripts/doc_commands.py --run [--only NAME ...] [--group G ...] [--stop-on-failure]
+                                         [--lanes 1]
 
 The extractor reads the fenced (``bash``, ``sh``, untagged) and indented code blocks and the
 inline code of README.md and docs/*.md, splits each on ``&&``, ``|`` and ``;``, drops leading
@@ -26,6 +27,15 @@ it exits 1 if any failed. Groups, run in this order:
 - ``vllm``: in ``.ci/vllm``'s cached vLLM virtualenv and tiny model (skipped, saying so, where
   it has not been built: ``.ci/run`` runs ``.ci/vllm`` first).
 
+They run in two lanes at once (``--lanes 1``: one after another). Most of a drill's time is
+waiting (Ray and Serve starting, rolling, draining: a quick drill kept the two cores ~27 %
+busy), so two at a time take little more than one. One lane owns :8000 and :8265: the graph
+group and every entry that serves them itself (``serves_8000``), in turn; the other runs the
+rest, each on ports of its own. The graph group's commands that find their cluster by Ray's
+``auto`` (which names the newest Ray on the machine, maybe another lane's) are given the graph's
+own address in ``RAY_ADDRESS``. An entry whose ``--check`` claim depends on throughput
+(``alone``) runs after the lanes, by itself.
+
 Outputs go to ``--tmp`` (``/tmp/forge-doc-commands``), never to loadtest/results or docs/.
 """
 
@@ -42,6 +52,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -344,6 +355,12 @@ class Quick:
     env: dict[str, str] = field(default_factory=dict)
     group: str = "own"  # own, graph, vllm
     note: str = ""
+    # It serves :8000 and Ray's dashboard :8265 itself (a ``serve run`` of configs/local*.yaml),
+    # as the graph group's graph does: it runs in the lane that owns those ports.
+    serves_8000: bool = False
+    needs: str | None = None  # the entry whose output it reads: run before it, in its lane
+    # Its --check holds a claim that depends on throughput: after the lanes, by itself.
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -457,9 +474,9 @@ def _probe_vllm_graph(match: re.Match, ctx: Context) -> None:
 # The README's `curl 127.0.0.1:30000/-/routes`: the gateway replica's own port is whichever
 # direct-ingress port Serve gave it, so ask the cluster which (as the drills do).
 _ROUTES = """
-import subprocess, sys, ray
+import os, subprocess, sys, ray
 from serve_app.replica import admin
-ray.init(address="auto", log_to_driver=False)
+ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
 url = admin.direct_ingress_url("forge")
 print("the gateway replica's own port:", url, flush=True)
 sys.exit(subprocess.run(["curl", "-sf", url + "/-/routes"]).returncode)
@@ -536,6 +553,7 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         "{python} scripts/smoke_local.py",
         timeout=300,
         note="was .ci/run step 3: `serve run configs/local.yaml` as the README's new user runs it",
+        serves_8000=True,
     ),
     "serve run configs/local.yaml": Elsewhere(
         "scripts/smoke_local.py runs it as the README's new user does (the graph group, "
@@ -556,16 +574,19 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         " --check --out {tmp}/forge-rollout.json",
         timeout=900,
         note="was .ci/run step 3b, unchanged",
+        serves_8000=True,
     ),
     "python -m loadtest.slow_readers": quick(
         "{python} -m loadtest.slow_readers --quick --out {tmp}/slow-readers.json",
         timeout=420,
         note="its own serve run of a changed copy of configs/local.yaml; 20 slow clients",
+        serves_8000=True,
     ),
     "python -m evals.local": quick(
         "{python} -m evals.local --json-dir {tmp} --log {tmp}/gate-serve.log"
         " --only protocol prompt:greeting metering",
         timeout=600,
+        serves_8000=True,
         note="its graph, a few checks with the primary up and again with it failing (results to "
         "{tmp}); the whole gate both ways, calibrated, is pytest -m slow's tests/e2e/test_evals.py",
     ),
@@ -653,7 +674,9 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         "{python} -m loadtest.failover --duration 22 --down-at 11 --up-at 16 --check"
         " --redis-url " + REDIS + " --out {tmp}/failover.json --png {tmp}/failover.png",
         timeout=300,
-        note="the outage after 11 s: the retry budget needs 10 s of requests behind it",
+        note="the outage after 11 s: the retry budget needs 10 s of requests behind it; alone, "
+        "as it is a share of the requests, which a second lane's load thins (one 502 when not)",
+        alone=True,
     ),
     "python -m loadtest.routing": quick(
         "{python} -m loadtest.routing --duration 3 --workloads main --policies kv_aware"
@@ -818,6 +841,8 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
         group="vllm",
         note="a chat the vLLM replica serves through :8000, then Ctrl-C",
+        serves_8000=True,
+        needs="python -m serve_app.tools.tiny_model",  # the model it serves
     ),
     "python -m loadtest.vllm_overhead": quick(
         "{vllm_python} -m loadtest.vllm_overhead --model {tiny_model} --requests 5"
@@ -881,6 +906,14 @@ def check(found: list[Found] | None = None, table: dict | None = None) -> list[s
                 problems.append(f"COMMANDS[{key!r}]: by={entry.by!r} is not a quick entry")
         if isinstance(entry, Quick) and entry.group not in GROUPS:
             problems.append(f"COMMANDS[{key!r}]: unknown group {entry.group!r}")
+        if isinstance(entry, Quick) and entry.needs is not None:
+            needed = table.get(entry.needs)
+            if not isinstance(needed, Quick) or list(table).index(entry.needs) > list(table).index(
+                key
+            ):
+                problems.append(
+                    f"COMMANDS[{key!r}]: needs {entry.needs!r}, no quick entry before it"
+                )
     return problems
 
 
@@ -1038,14 +1071,17 @@ def _run_step(s: Step, values: dict[str, str], ctx: Context) -> None:
             _stop(proc, signal.SIGINT, grace_s=60)
 
 
-def run_entry(name: str, entry: Quick, tmp: Path, values: dict[str, str]) -> tuple[bool, str]:
-    log = tmp / "logs" / (re.sub(r"[^\w.-]+", "_", name).strip("_") + ".log")
+def run_entry(
+    name: str, entry: Quick, tmp: Path, values: dict[str, str], env: dict[str, str] | None = None
+) -> tuple[bool, str]:
+    log = log_path(tmp, name)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     env = {
         **os.environ,
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
+        **(env or {}),
         **entry.env,
     }
     ctx = Context(tmp=tmp, log=log, env=env, deadline=time.monotonic() + entry.timeout_s)
@@ -1061,11 +1097,16 @@ def run_entry(name: str, entry: Quick, tmp: Path, values: dict[str, str]) -> tup
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def log_path(tmp: Path, name: str) -> Path:
+    return tmp / "logs" / (re.sub(r"[^\w.-]+", "_", name).strip("_") + ".log")
+
+
 class Graph:
     """One ``serve run configs/local.yaml`` for the graph group."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.proc = tmp, None
+        self.address: str | None = None  # its Ray's GCS, for RAY_ADDRESS
 
     def start(self) -> None:
         sys.path.insert(0, str(REPO))
@@ -1077,6 +1118,7 @@ class Graph:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.proc = local_graph.start_graph(log)
         local_graph.wait_ready(local_graph.LOCAL_URL, self.proc, log, 300)
+        self.address = gcs_address(self.proc.pid)
 
     def stop(self) -> None:
         from loadtest import local_graph
@@ -1086,7 +1128,128 @@ class Graph:
             self.proc = None
 
 
-def run(names: list[str], tmp: Path, keep_going: bool = True) -> int:
+def gcs_address(sid: int) -> str | None:
+    """The GCS address of the Ray that the process session ``sid`` started, or None if it has
+    none. Its gcs_server picks its own port (``--gcs_server_port=0``) and writes it in its
+    session directory (``gcs_server_port_<id>``), which its ``--log_dir`` names."""
+    out = subprocess.run(["ps", "-eo", "sid=,args="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        session, _, args = line.strip().partition(" ")
+        match = re.search(r"/gcs_server .*--log_dir=(\S+)/logs", args)
+        if match and int(session) == sid:
+            for port_file in Path(match.group(1)).glob("gcs_server_port_*"):
+                return f"127.0.0.1:{port_file.read_text().strip()}"
+    return None
+
+
+def lanes_of(names: list[str], lanes: int) -> tuple[list[list[str]], list[str]]:
+    """The lanes run at once, and what runs after them, by itself (``alone``). One lane owns
+    :8000 and :8265 (the graph group, and the entries that serve them themselves), the other
+    takes the rest; each in GROUPS' order."""
+    ordered = sorted(names, key=lambda n: GROUPS.index(COMMANDS[n].group))  # stable
+    if lanes == 1:
+        return [ordered], []
+    alone = [n for n in ordered if COMMANDS[n].alone]
+    ordered = [n for n in ordered if n not in alone]
+    owns = {n for n in ordered if COMMANDS[n].group == "graph" or COMMANDS[n].serves_8000}
+    owns |= {COMMANDS[n].needs for n in owns} - {None}
+    return [[n for n in ordered if n in owns], [n for n in ordered if n not in owns]], alone
+
+
+class _Lane:
+    """One lane's entries in turn; the graph group's graph started before its first entry and
+    stopped after its last."""
+
+    def __init__(self, run: _Run, number: int) -> None:
+        self.run, self.number = run, number
+        self.graph: Graph | None = None
+
+    def result(self, name: str, seconds: float, outcome: str) -> None:
+        self.run.result(self.number, name, seconds, outcome)
+
+    def go(self, names: list[str]) -> None:
+        for name in names:
+            entry = COMMANDS[name]
+            assert isinstance(entry, Quick)
+            if self.graph is not None and entry.group != "graph":
+                self._stop_graph()
+            self.one(name, entry)
+        if self.graph is not None:
+            self._stop_graph()
+
+    def one(self, name: str, entry: Quick) -> None:
+        run = self.run
+        if run.failed.is_set() and not run.keep_going:
+            self.result(name, 0.0, "not run")
+            return
+        if entry.group == "vllm" and not (run.venv / "bin" / "python").exists():
+            self.result(name, 0.0, f"SKIP: no vLLM venv at {run.venv} (.ci/vllm builds it)")
+            return
+        env: dict[str, str] = {}
+        if entry.group == "graph":
+            if self.graph is None and not self._start_graph():
+                return
+            if self.graph is None or self.graph.proc is None:
+                self.result(name, 0.0, "not run (the graph did not start)")
+                return
+            if self.graph.address:
+                env["RAY_ADDRESS"] = self.graph.address
+        run.say(f"-- {name}")
+        t0 = time.monotonic()
+        ok, detail = run_entry(name, entry, run.tmp, run.values, env)
+        seconds = time.monotonic() - t0
+        self.result(name, seconds, "ok" if ok else f"FAIL {detail}")
+        if ok:
+            run.say(f"   {name}: ok in {seconds:.1f} s")
+            return
+        run.failed.set()
+        tail = log_path(run.tmp, name).read_text(errors="replace").splitlines()[-40:]
+        run.say(f"   {name}: FAIL {detail} in {seconds:.1f} s\n   " + "\n   ".join(tail))
+
+    def _start_graph(self) -> bool:
+        run = self.run
+        self.graph = Graph(run.tmp)
+        t0 = time.monotonic()
+        run.say("-- starting serve run configs/local.yaml for the graph group")
+        try:
+            self.graph.start()
+        except Exception as exc:
+            self.graph.stop()
+            self.result("(graph group) serve run configs/local.yaml", 0.0, f"FAIL {exc}")
+            run.failed.set()
+            return False
+        self.result("(graph group) start", time.monotonic() - t0, "ok")
+        return True
+
+    def _stop_graph(self) -> None:
+        assert self.graph is not None
+        if self.graph.proc is not None:
+            t0 = time.monotonic()
+            self.graph.stop()
+            self.result("(graph group) stop", time.monotonic() - t0, "ok")
+        self.graph = None
+
+
+@dataclass
+class _Run:
+    tmp: Path
+    values: dict[str, str]
+    venv: Path
+    keep_going: bool
+    failed: threading.Event = field(default_factory=threading.Event)
+    results: list[tuple[int, str, float, str]] = field(default_factory=list)  # lane, name, ...
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            print(text, flush=True)
+
+    def result(self, lane: int, name: str, seconds: float, outcome: str) -> None:
+        with self._lock:
+            self.results.append((lane, name, seconds, outcome))
+
+
+def run(names: list[str], tmp: Path, keep_going: bool = True, lanes: int = 2) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     venv, model = vllm_cache()
     values = {
@@ -1096,66 +1259,36 @@ def run(names: list[str], tmp: Path, keep_going: bool = True) -> int:
         "vllm_bin": str(venv / "bin"),
         "tiny_model": str(model),
     }
-    results: list[tuple[str, float, str]] = []
+    state = _Run(tmp, values, venv, keep_going)
     started = time.monotonic()
-    graph: Graph | None = None
-    failed = False
-    ordered = sorted(names, key=lambda n: GROUPS.index(COMMANDS[n].group))  # stable
-    for name in ordered:
-        entry = COMMANDS[name]
-        assert isinstance(entry, Quick)
-        if failed and not keep_going:
-            results.append((name, 0.0, "not run"))
-            continue
-        if entry.group == "vllm" and not (venv / "bin" / "python").exists():
-            results.append((name, 0.0, f"SKIP: no vLLM venv at {venv} (.ci/vllm builds it)"))
-            continue
-        if entry.group == "graph" and graph is None:
-            graph = Graph(tmp)
-            t0 = time.monotonic()
-            print("-- starting serve run configs/local.yaml for the graph group", flush=True)
-            try:
-                graph.start()
-            except Exception as exc:
-                graph.stop()
-                results.append(("(graph group) serve run configs/local.yaml", 0.0, f"FAIL {exc}"))
-                failed = True
-                graph = Graph(tmp)  # do not try again
-                graph.proc = None
-                continue
-            results.append(("(graph group) start", time.monotonic() - t0, "ok"))
-        if entry.group != "graph" and graph is not None:
-            t0 = time.monotonic()
-            graph.stop()
-            results.append(("(graph group) stop", time.monotonic() - t0, "ok"))
-            graph = None
-        if entry.group == "graph" and graph is not None and graph.proc is None:
-            results.append((name, 0.0, "not run (the graph did not start)"))
-            continue
-        print(f"-- {name}", flush=True)
-        t0 = time.monotonic()
-        ok, detail = run_entry(name, entry, tmp, values)
-        seconds = time.monotonic() - t0
-        results.append((name, seconds, "ok" if ok else f"FAIL {detail}"))
-        print(f"   {'ok' if ok else 'FAIL ' + detail} in {seconds:.1f} s", flush=True)
-        if not ok:
-            failed = True
-            log = tmp / "logs" / (re.sub(r"[^\w.-]+", "_", name).strip("_") + ".log")
-            tail = log.read_text(errors="replace").splitlines()[-40:]
-            print("   " + "\n   ".join(tail), flush=True)
-    if graph is not None:
-        t0 = time.monotonic()
-        graph.stop()
-        results.append(("(graph group) stop", time.monotonic() - t0, "ok"))
+    parallel, alone = lanes_of(names, lanes)
+    planned = [lane for lane in parallel if lane]
+    threads = [
+        threading.Thread(target=_Lane(state, i + 1).go, args=(lane,), daemon=True)
+        for i, lane in enumerate(planned)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if alone:
+        planned.append(alone)
+        _Lane(state, len(planned)).go(alone)
     total = time.monotonic() - started
-    width = max(len(r[0]) for r in results) if results else 10
-    print(f"\n{'command':{width}}  {'seconds':>8}  result")
-    for name, seconds, result in results:
-        print(f"{name:{width}}  {seconds:8.1f}  {result}")
-    bad = [r for r in results if r[2].startswith(("FAIL", "not run"))]
+    results = sorted(state.results, key=lambda r: r[0])  # by lane, each in its order (stable)
+    width = max(len(r[1]) for r in results) if results else 10
+    print(f"\n{'command':{width}}  lane  {'seconds':>8}  result")
+    for lane, name, seconds, result in results:
+        print(f"{name:{width}}  {lane:>4}  {seconds:8.1f}  {result}")
+    for i, lane in enumerate(planned):
+        busy = sum(r[2] for r in results if r[0] == i + 1)
+        print(f"lane {i + 1}: {len(lane)} entries, {busy:.0f} s")
+    bad = [r for r in results if r[3].startswith(("FAIL", "not run"))]
     print(
         f"\ndoc commands: {len(results) - len(bad)} ok or skipped, {len(bad)} failed, "
-        f"{total:.0f} s; logs in {tmp / 'logs'}"
+        f"{total:.0f} s in {len(parallel)} lane(s) at once"
+        + (f", then {len(alone)} alone" if alone else "")
+        + f"; logs in {tmp / 'logs'}"
     )
     return 1 if bad else 0
 
@@ -1170,6 +1303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", nargs="+", choices=GROUPS, help="--run these groups only")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp/forge-doc-commands"))
     parser.add_argument("--stop-on-failure", action="store_true")
+    parser.add_argument(
+        "--lanes", type=int, choices=(1, 2), default=2, help="entries run at once (see above)"
+    )
     args = parser.parse_args(argv)
     if args.list:
         for f in extract():
@@ -1198,7 +1334,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in args.only]
     if args.group:
         names = [n for n in names if COMMANDS[n].group in args.group]
-    return run(names, args.tmp, keep_going=not args.stop_on_failure)
+    return run(names, args.tmp, keep_going=not args.stop_on_failure, lanes=args.lanes)
 
 
 if __name__ == "__main__":

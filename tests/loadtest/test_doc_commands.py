@@ -74,3 +74,24 @@ def test_an_entry_nothing_documents_any_more_is_named(doc_commands):
 )  # fmt: skip
 def test_the_extractor_keys(doc_commands, markdown, keys):
     assert [f.key for f in doc_commands.extract_text(markdown, "x.md")] == keys
+
+
+def test_what_serves_8000_runs_in_one_lane_with_what_it_needs_and_the_rest_beside_it(
+    doc_commands,
+):
+    """Two lanes at once: two graphs on :8000 (or Ray dashboards on :8265) would collide, a
+    prerequisite (the tiny model) must be written before its reader starts, and a claim that
+    depends on throughput runs after both, by itself."""
+    quick = {n: e for n, e in doc_commands.COMMANDS.items() if isinstance(e, doc_commands.Quick)}
+    (owner, rest), alone = doc_commands.lanes_of(list(quick), 2)
+    assert sorted(owner + rest + alone) == sorted(quick)
+    assert {n for n, e in quick.items() if e.alone} == set(alone)
+    assert {n for n, e in quick.items() if e.group == "graph" or e.serves_8000} <= set(owner)
+    assert not any(quick[n].group == "graph" or quick[n].serves_8000 for n in rest)
+    for name in owner:
+        if quick[name].needs is not None:
+            assert owner.index(quick[name].needs) < owner.index(name)
+    graph = [i for i, n in enumerate(owner) if quick[n].group == "graph"]
+    assert graph == list(range(graph[0], graph[-1] + 1)), "the graph group runs in one stretch"
+    (serial,), after = doc_commands.lanes_of(list(quick), 1)
+    assert sorted(serial) == sorted(quick) and after == []
