@@ -32,9 +32,9 @@ waiting (Ray and Serve starting, rolling, draining: a quick drill kept the two c
 busy), so two at a time take little more than one. One lane owns :8000 and :8265: the graph
 group and every entry that serves them itself (``serves_8000``), in turn; the other runs the
 rest, each on ports of its own. The graph group's commands that find their cluster by Ray's
-``auto`` (which names the newest Ray on the machine, maybe another lane's) are given the graph's
-own address in ``RAY_ADDRESS``. An entry whose ``--check`` claim depends on throughput
-(``alone``) runs after the lanes, by itself.
+``auto`` (which finds every Ray on the machine, maybe another lane's too) are given the graph's
+own address in ``RAY_ADDRESS``, with its token mode. An entry whose ``--check`` claim depends
+on throughput (``alone``) runs after the lanes, by itself.
 
 Outputs go to ``--tmp`` (``/tmp/forge-doc-commands``), never to loadtest/results or docs/.
 """
@@ -1192,8 +1192,8 @@ class _Lane:
             if self.graph is None or self.graph.proc is None:
                 self.result(name, 0.0, "not run (the graph did not start)")
                 return
-            if self.graph.address:
-                env["RAY_ADDRESS"] = self.graph.address
+            if self.graph.address:  # and its auth mode: a client of its Ray sends the token
+                env.update(RAY_ADDRESS=self.graph.address, **TOKEN)
         run.say(f"-- {name}")
         t0 = time.monotonic()
         ok, detail = run_entry(name, entry, run.tmp, run.values, env)
