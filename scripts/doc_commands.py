@@ -907,13 +907,11 @@ def check(found: list[Found] | None = None, table: dict | None = None) -> list[s
         if isinstance(entry, Quick) and entry.group not in GROUPS:
             problems.append(f"COMMANDS[{key!r}]: unknown group {entry.group!r}")
         if isinstance(entry, Quick) and entry.needs is not None:
-            needed = table.get(entry.needs)
-            if not isinstance(needed, Quick) or list(table).index(entry.needs) > list(table).index(
-                key
+            order = list(table)
+            if not isinstance(table.get(entry.needs), Quick) or (
+                order.index(entry.needs) > order.index(key)
             ):
-                problems.append(
-                    f"COMMANDS[{key!r}]: needs {entry.needs!r}, no quick entry before it"
-                )
+                problems.append(f"COMMANDS[{key!r}]: needs {entry.needs!r}, no quick entry before")
     return problems
 
 
