@@ -3,8 +3,10 @@
 ``build_app`` validates the config's ``args`` and wires the graph with handles: one replica
 deployment per pool that runs in this application, a scheduler per admitted pool, the breaker
 board, and the gateway ingress that holds their handles and the fallback client. A pool with
-``app`` set runs in an application of its own, built by ``build_pool``; the gateway finds it
-there by name. ``serve run configs/local.yaml`` and a KubeRay ``RayService`` both go through here.
+``app`` set runs in an application of its own, built by ``build_pool``; with ``control_app``
+set, the schedulers and the board run in one of their own, built by ``build_control``; the
+gateway finds them there by name. ``serve run configs/local.yaml`` and a KubeRay
+``RayService`` both go through here.
 """
 
 from __future__ import annotations
@@ -16,13 +18,19 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.admission.deployment import SchedulerDeployment
+from serve_app.admission.deployment import SchedulerDeployment, scheduler_deployment_name
 from serve_app.bridge import pool_deployment_name
-from serve_app.config.models import PoolConfig, TracingConfig, load_config, load_pool_app_config
+from serve_app.config.models import (
+    PoolConfig,
+    TracingConfig,
+    load_config,
+    load_control_app_config,
+    load_pool_app_config,
+)
 from serve_app.gateway.ingress import GatewayIngress
 from serve_app.replica.pool_ingress import PoolApplication
 from serve_app.replica.server import Replica
-from serve_app.resilience.board import BreakerBoardDeployment
+from serve_app.resilience.board import BOARD_DEPLOYMENT, BreakerBoardDeployment
 from serve_app.resilience.settings import breaker_settings
 
 
@@ -33,28 +41,16 @@ def build_app(args: dict[str, Any]) -> Application:
         for pool in config.pools
         if pool.app is None  # the others run in their own applications (build_pool)
     }
-    schedulers = {
-        pool.name: serve.deployment(SchedulerDeployment)
-        .options(
-            name=f"scheduler-{pool.name}",
-            num_replicas=1,  # one slot budget per pool: exactly one owner
-            max_ongoing_requests=100_000,  # waiters park here by design
-            ray_actor_options={"num_cpus": 0},
-        )
-        .bind(pool.name, pool.admission.model_dump(), [t.model_dump() for t in config.tenants])
-        for pool in config.pools
-        if pool.admission is not None
-    }
-    board = (
-        serve.deployment(BreakerBoardDeployment)
-        .options(
-            name="breaker-board",
-            num_replicas=1,  # one owner of every breaker: one probe, fleet-wide
-            max_ongoing_requests=10_000,
-            ray_actor_options={"num_cpus": 0},
-        )
-        .bind(asdict(breaker_settings(config.resilience.breaker)))
-    )
+    schedulers: dict[str, Application] = {}
+    board = None  # both in the control application (build_control), found there by name
+    if config.control_app is None:
+        tenants = [t.model_dump() for t in config.tenants]
+        schedulers = {
+            pool.name: _scheduler(pool.name, pool.admission.model_dump(), tenants)
+            for pool in config.pools
+            if pool.admission is not None
+        }
+        board = _board(asdict(breaker_settings(config.resilience.breaker)))
     # The gateway mostly waits on backends: Serve's default of 5 ongoing requests per replica
     # would queue streams at the proxy long before its CPU is busy. It relays streams, so it
     # drains as long as the pools do.
@@ -67,6 +63,45 @@ def build_app(args: dict[str, Any]) -> Application:
     # What the args set, not every default: a pool that runs in its own application must not
     # come back with an engine (PoolConfig refuses that; live changes revalidate this).
     return gateway.bind(config.model_dump(exclude_unset=True), pools, schedulers, board)
+
+
+def build_control(args: dict[str, Any]) -> Application:
+    """The pools' schedulers and the breaker board as an application of their own (args
+    ``{schedulers: [pool, ...]}``): the gateway's application names it ``control_app``. They
+    start with no settings and take the gateways' (``configure``), so a change to the gateway's
+    args replaces the gateways and nothing here: the slot budgets, their leases and queues, and
+    the open breakers carry on. Its ingress is the board (an application needs one; it has no
+    route)."""
+    config = load_control_app_config(args)
+    return _board(None, *(_scheduler(pool) for pool in config.schedulers))
+
+
+def _scheduler(pool: str, admission: dict | None = None, tenants: list[dict] = ()) -> Application:
+    return (
+        serve.deployment(SchedulerDeployment)
+        .options(
+            name=scheduler_deployment_name(pool),
+            num_replicas=1,  # one slot budget per pool: exactly one owner
+            max_ongoing_requests=100_000,  # waiters park here by design
+            ray_actor_options={"num_cpus": 0},
+        )
+        .bind(pool, admission, tenants)
+    )
+
+
+def _board(settings: dict | None, *schedulers: Application) -> Application:
+    """The board; ``schedulers`` bound to it only so that they deploy with it (the control
+    application's graph has one root)."""
+    return (
+        serve.deployment(BreakerBoardDeployment)
+        .options(
+            name=BOARD_DEPLOYMENT,
+            num_replicas=1,  # one owner of every breaker: one probe, fleet-wide
+            max_ongoing_requests=10_000,
+            ray_actor_options={"num_cpus": 0},
+        )
+        .bind(settings, *schedulers)
+    )
 
 
 POOL_APP_INGRESS = "ingress"  # a pool application's ingress (replica/pool_ingress.py says why)

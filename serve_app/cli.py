@@ -75,9 +75,11 @@ def _config_check(args: argparse.Namespace) -> int:
         return 1
     tenants = ", ".join(t.name for t in config.tenants)
     apart = [p["app"] for p in apps[0].get("args", {}).get("pools", []) if p.get("app")]
+    control = apps[0].get("args", {}).get("control_app")
     print(
         f"ok: {len(config.tenants)} tenant(s) ({tenants}), {len(config.pools)} pool(s)"
         + (f" ({len(apart)} in applications of their own: {', '.join(apart)})" if apart else "")
+        + (f"; schedulers and breaker board in {control}" if control else "")
         + f"; live configuration {live_digest(config)}"
     )
     return 0

@@ -14,7 +14,7 @@ every gateway replica shares one slot budget.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +41,18 @@ class SyncReply:
     lost: tuple[str, ...] = ()  # leases in the ops the scheduler no longer knows
 
 
+class Unconfigured(RuntimeError):
+    """A scheduler with no settings yet (one in the control application, just started): the
+    caller sends the pool's settings (``configure``) and asks again."""
+
+    def __init__(self, pool: str = "") -> None:
+        super().__init__(f"scheduler {pool!r} has no settings yet")
+        self.pool = pool
+
+    def __reduce__(self):
+        return (Unconfigured, (self.pool,))
+
+
 class SchedulerClient(Protocol):
     async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
         """A slot for ``tenant`` (waiting in its queue up to the pool's deadline), or raise
@@ -56,8 +68,9 @@ class SchedulerClient(Protocol):
         """Return once someone is queued for a slot."""
         ...
 
-    async def renew(self, lease_id: str) -> bool:
-        """Keep a live request's lease; False if the scheduler no longer knows it."""
+    async def renew(self, lease_id: str, tenant: str, tier: str) -> bool:
+        """Keep a live request's lease, ``tenant``'s at ``tier``: a scheduler that does not know
+        it (restarted) takes it back; False if it was released."""
         ...
 
     async def snapshot(self) -> dict:
@@ -120,8 +133,10 @@ class LocalSchedulerClient:
     async def until_contended(self) -> None:
         await self.scheduler.until_contended()
 
-    async def renew(self, lease_id: str) -> bool:
-        return self.scheduler.renew(lease_id) is not None
+    async def renew(
+        self, lease_id: str, tenant: str | None = None, tier: str = "interactive"
+    ) -> bool:
+        return self.scheduler.renew(lease_id, tenant=tenant, tier=tier) is not None  # type: ignore[arg-type]
 
     async def snapshot(self) -> dict:
         return admission_view(self.scheduler.snapshot())
@@ -131,28 +146,46 @@ class LocalSchedulerClient:
         self.deadline_s = AdmissionConfig.model_validate(admission).deadline_s
 
 
-class ServeSchedulerClient:
-    """``SchedulerClient`` over the pool's scheduler deployment (one round trip per call)."""
+# The pool's admission settings and the tenants, as this gateway replica serves them now.
+Settings = Callable[[], tuple[dict, list[dict]]]
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+
+class ServeSchedulerClient:
+    """``SchedulerClient`` over the pool's scheduler deployment (one round trip per call).
+
+    ``settings``, where the scheduler takes its settings from the gateways (the control
+    application): a scheduler that answers ``Unconfigured`` (it just started) is sent them and
+    asked again, so a restart costs the first caller one more round trip, not an admission."""
+
+    def __init__(self, handle: DeploymentHandle, settings: Settings | None = None) -> None:
         self._handle = handle
+        self._settings = settings
+
+    async def _call(self, method: str, *args):
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except Unconfigured:
+            if self._settings is None:
+                raise
+            await self.configure(*self._settings())
+            return await getattr(self._handle, method).remote(*args)
 
     async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
-        lease_id, ttl_s, contended = await self._handle.acquire.remote(tenant, tier, list(ops))
+        lease_id, ttl_s, contended = await self._call("acquire", tenant, tier, list(ops))
         return Lease(lease_id, ttl_s, contended)
 
     async def sync(self, ops: Sequence[SlotOp]) -> SyncReply:
-        contended, lost = await self._handle.sync.remote(list(ops))
+        contended, lost = await self._call("sync", list(ops))
         return SyncReply(contended, tuple(lost))
 
     async def until_contended(self) -> None:
         await self._handle.until_contended.remote()
 
-    async def renew(self, lease_id: str) -> bool:
-        return await self._handle.renew.remote(lease_id)
+    async def renew(self, lease_id: str, tenant: str, tier: str) -> bool:
+        return await self._call("renew", lease_id, tenant, tier)
 
     async def snapshot(self) -> dict:
-        return await self._handle.snapshot.remote()
+        return await self._call("snapshot")
 
     async def configure(self, admission: dict, tenants: list[dict]) -> None:
         await self._handle.configure.remote(admission, tenants)

@@ -5,7 +5,9 @@ A Serve deployment with exactly one replica rather than a detached actor: it liv
 with the application (a redeploy replaces it, Serve restarts it if its health check fails), it
 shows in the Serve dashboard next to the pool it guards, and the gateway reaches it through an
 ordinary handle wired in the app builder. Slot state is in memory on purpose: after a restart,
-every lease is gone and the pool starts with all slots free, which errs towards admitting.
+every lease is gone, and the gateways' renewals bring the live ones back within a third of a
+lease's TTL (``FairScheduler.renew``). In the control application (``serve_app.app:build_control``)
+a change to the gateway's application replaces neither it nor its leases.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from serve_app.admission.client import (
     LocalSchedulerClient,
     SlotOp,
+    Unconfigured,
     admission_view,
     apply_ops,
     fair_scheduler,
@@ -27,15 +30,23 @@ from serve_app.metrics import gauge
 _EXPORT_EVERY_S = 1.0
 
 
+def scheduler_deployment_name(pool: str) -> str:
+    """A pool's scheduler, in the gateway's application or the control application."""
+    return f"scheduler-{pool}"
+
+
 class SchedulerDeployment:
-    def __init__(self, pool: str, admission: dict, tenants: list[dict]) -> None:
+    """``admission`` None: the settings come from the gateways (``configure``), as in the
+    control application, whose args must not change with them (a change of an application's
+    args replaces every deployment in it)."""
+
+    def __init__(
+        self, pool: str, admission: dict | None = None, tenants: Sequence[dict] = ()
+    ) -> None:
         self.pool = pool
-        config = AdmissionConfig.model_validate(admission)
-        self.local = LocalSchedulerClient(
-            fair_scheduler(config, map(TenantConfig.model_validate, tenants)), config.deadline_s
-        )
-        self.scheduler = self.local.scheduler
-        self._applied = settings_digest(admission, tenants)
+        self.local: LocalSchedulerClient | None = None
+        self._configured = asyncio.Event()
+        self._applied: str | None = None
         self._queue_depth = gauge(
             "forge_queue_depth",
             "Requests waiting for a slot, by pool and tenant.",
@@ -50,6 +61,23 @@ class SchedulerDeployment:
         )
         self._slots_total = gauge("forge_slots_total", "Admission slots a pool has.", "pool")
         self._housekeeping: asyncio.Task | None = None
+        if admission is not None:
+            self._start(admission, list(tenants))
+
+    def _start(self, admission: dict, tenants: list[dict]) -> None:
+        config = AdmissionConfig.model_validate(admission)
+        self.local = LocalSchedulerClient(
+            fair_scheduler(config, map(TenantConfig.model_validate, tenants)), config.deadline_s
+        )
+        self.scheduler = self.local.scheduler
+        self._applied = settings_digest(admission, tenants)
+        self._configured.set()
+
+    def _ready(self) -> LocalSchedulerClient:
+        if self.local is None:
+            raise Unconfigured(self.pool)
+        self._ensure_housekeeping()
+        return self.local
 
     def _ensure_housekeeping(self) -> None:
         if self._housekeeping is None or self._housekeeping.done():
@@ -79,20 +107,21 @@ class SchedulerDeployment:
     ) -> tuple[str, float, bool]:
         """A lease id, its TTL and whether the pool was contended, or ``scheduler.Shed``
         (raised through the handle)."""
-        self._ensure_housekeeping()
-        lease = await self.local.acquire(tenant, tier, ops)
+        lease = await self._ready().acquire(tenant, tier, ops)
         return lease.lease_id, lease.ttl_s, lease.contended
 
     def sync(self, ops: list[SlotOp]) -> tuple[bool, tuple[str, ...]]:
-        self._ensure_housekeeping()
-        reply = apply_ops(self.scheduler, ops)
+        reply = apply_ops(self._ready().scheduler, ops)
         return reply.contended, reply.lost
 
     async def until_contended(self) -> None:
+        await self._configured.wait()
         await self.scheduler.until_contended()
 
-    async def renew(self, lease_id: str) -> bool:
-        return await self.local.renew(lease_id)
+    async def renew(
+        self, lease_id: str, tenant: str | None = None, tier: str = "interactive"
+    ) -> bool:
+        return await self._ready().renew(lease_id, tenant, tier)
 
     async def configure(self, admission: dict, tenants: list[dict]) -> bool:
         """A live change from the gateway (each gateway replica sends the same one, and sends
@@ -100,14 +129,18 @@ class SchedulerDeployment:
         digest = settings_digest(admission, tenants)
         if digest == self._applied:
             return False
+        if self.local is None:
+            self._start(admission, tenants)
+            return True
         await self.local.configure(admission, tenants)
         self._applied = digest
         return True
 
     def snapshot(self) -> dict:
-        snap = self.scheduler.snapshot()
+        snap = self._ready().scheduler.snapshot()
         return admission_view(snap) | {
             "granted": snap.granted,
             "shed": {f"{t}:{r}": n for (t, r), n in snap.shed.items()},
             "expired_leases": snap.expired_leases,
+            "adopted_leases": sum(snap.adopted.values()),
         }

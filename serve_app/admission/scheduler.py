@@ -45,6 +45,13 @@ called periodically by the wrapper and lazily on ``acquire``, reclaims the slots
 died and counts them. A waiter cancelled while waiting (the client went away) leaves its queue;
 one cancelled just after its grant releases the slot it was given, so no path leaks a slot.
 
+Leases are reconstructible: a renewal names the lease's tenant and tier, and a renewal of a lease
+the scheduler does not know (it restarted, or expired the lease while its holder lived) takes it
+back as held. A new scheduler so learns what is in flight within one renewal period (a third of
+the TTL); until then it may grant slots the lease holders already use, and afterwards it grants
+none until the pool is under its budget again. A lease released here, or released before it was
+known, is remembered for one TTL, so a renewal that crossed its release cannot bring it back.
+
 Retry-After: ``retry_after_s = max(1, mean_hold_s * (queued_total + 1) / max_inflight)``: the time
 the pool needs to work through everything queued now plus this request, at its observed turnover
 rate of ``max_inflight / mean_hold_s`` grants per second. ``mean_hold_s`` is an exponentially
@@ -147,6 +154,7 @@ class SchedulerSnapshot:
     expired_leases: int
     expired_by_tenant: dict[str, int]
     mean_hold_s: float | None
+    adopted: dict[str, int] = field(default_factory=dict)  # leases taken back on renewal
 
     @property
     def queued_total(self) -> int:
@@ -189,6 +197,7 @@ class FairScheduler:
         self._seq = 0
 
         self._leases: dict[str, Grant] = {}
+        self._released: dict[str, float] = {}  # lease id → when released: never taken back
         self._parked = 0
         self._contended = asyncio.Event()  # set while anyone is queued
         self._inflight: Counter[str] = Counter()
@@ -197,6 +206,7 @@ class FairScheduler:
         self._granted: Counter[str] = Counter()
         self._shed: Counter[tuple[str, str]] = Counter()
         self._expired: Counter[str] = Counter()
+        self._adopted: Counter[str] = Counter()
         self._mean_hold_s: float | None = None
         self.reconfigure(
             max_inflight,
@@ -305,6 +315,8 @@ class FairScheduler:
 
     def release(self, lease_id: str) -> bool:
         """Free a lease's slot. Idempotent: an unknown or already freed lease returns False."""
+        self._released.pop(lease_id, None)  # oldest first: forgetting stops at the first young
+        self._released[lease_id] = self._clock()
         grant = self._leases.pop(lease_id, None)
         if grant is None:
             return False
@@ -348,20 +360,45 @@ class FairScheduler:
         """Return once someone is queued (at once if someone is now)."""
         await self._contended.wait()
 
-    def renew(self, lease_id: str, now: float | None = None) -> Grant | None:
-        """Push a lease's expiry to ``now + lease_ttl_s``; None if it was released or expired."""
+    def renew(
+        self,
+        lease_id: str,
+        now: float | None = None,
+        *,
+        tenant: str | None = None,
+        tier: Tier = "interactive",
+    ) -> Grant | None:
+        """Push a lease's expiry to ``now + lease_ttl_s``. A lease this scheduler does not know
+        is taken back as ``tenant``'s when one is named (see the module docstring), unless it
+        was released; None if it is not held."""
+        now = self._clock() if now is None else now
         grant = self._leases.get(lease_id)
         if grant is None:
-            return None
-        now = self._clock() if now is None else now
+            if tenant is None or lease_id in self._released:
+                return None
+            return self._adopt(lease_id, tenant, tier, now)
         grant = replace(grant, expires_at=now + self.lease_ttl_s)
         self._leases[lease_id] = grant
+        return grant
+
+    def _adopt(self, lease_id: str, tenant: str, tier: Tier, now: float) -> Grant:
+        grant = Grant(lease_id, tenant, tier, now, now + self.lease_ttl_s)
+        self._leases[lease_id] = grant
+        self._seen.setdefault(tenant, None)
+        self._inflight[tenant] += 1
+        self._adopted[tenant] += 1
+        self._next_expiry = min(self._next_expiry, grant.expires_at)
         return grant
 
     def expire_leases(self, now: float | None = None) -> int:
         """Reclaim the slots of leases past their expiry (dead holders); returns how many."""
         now = self._clock() if now is None else now
         expired = [g for g in self._leases.values() if g.expires_at <= now]
+        while self._released:
+            lease_id, at = next(iter(self._released.items()))
+            if at > now - self.lease_ttl_s:
+                break
+            del self._released[lease_id]
         for grant in expired:
             del self._leases[grant.lease_id]
             self._vacate(grant, hold_ended=False)
@@ -409,6 +446,7 @@ class FairScheduler:
             expired_leases=sum(self._expired.values()),
             expired_by_tenant=dict(self._expired),
             mean_hold_s=self._mean_hold_s,
+            adopted=dict(self._adopted),
         )
 
     # -- internals -------------------------------------------------------------------------------

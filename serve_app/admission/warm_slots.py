@@ -113,8 +113,8 @@ class WarmSlots:
         else:
             self._send_soon(("release", lease_id))
 
-    async def renew(self, lease_id: str) -> bool:
-        return await self.client.renew(lease_id)
+    async def renew(self, lease_id: str, tenant: str, tier: str) -> bool:
+        return await self.client.renew(lease_id, tenant, tier)
 
     async def aclose(self) -> None:
         """Give every parked slot back (a replica shutting down) and stop watching."""

@@ -44,6 +44,7 @@ from serve_app.config.models import (
     TenantConfig,
     _Strict,
     load_config,
+    load_control_app_config,
     load_pool_app_config,
 )
 
@@ -179,6 +180,27 @@ def serve_config_forge(serve_config: Mapping[str, Any], app: str = "forge") -> F
                 )
         update = {field: getattr(theirs, field) for field in POOL_APP_FIELDS}
         inlined.append(pool.model_copy(update={**update, "app": None}))
+    problems += _control_app_problems(config, applications)
     if problems:
         raise ConfigError("invalid Serve config:\n" + "\n".join(problems))
-    return config.model_copy(update={"pools": inlined})
+    return config.model_copy(update={"pools": inlined, "control_app": None})
+
+
+def _control_app_problems(config: ForgeConfig, applications: Mapping[str, Any]) -> list[str]:
+    """The control application exists, builds the control, and holds a scheduler for every
+    pool the gateway admits (a missing one would leave that pool admitted without slots; a
+    spare one is idle, so that dropping a pool's admission need not change these args)."""
+    if config.control_app is None:
+        return []
+    where = f"  control_app: application {config.control_app!r}"
+    own = applications.get(config.control_app)
+    if own is None:
+        return [f"{where} is not in the Serve config"]
+    if not str(own.get("import_path", "")).endswith(":build_control"):
+        return [f"{where} is not built by serve_app.app:build_control"]
+    try:
+        listed = set(load_control_app_config(own.get("args")).schedulers)
+    except ConfigError as err:
+        return [f"{where}: {err}"]
+    missing = sorted({p.name for p in config.pools if p.admission is not None} - listed)
+    return [f"{where} has no scheduler for pools {missing}"] if missing else []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -657,6 +657,11 @@ class ForgeConfig(_Strict):
     metering: MeteringConfig = MeteringConfig()
     admin: AdminConfig = AdminConfig()
     faults: FaultsConfig = FaultsConfig()
+    # The Serve application that holds the pools' schedulers and the breaker board
+    # (``serve_app.app:build_control``, its args ``{schedulers: [pool, ...]}``), when not this
+    # one: a change to this application's args then replaces the gateways alone, and the slot
+    # budgets, queues and open breakers outlive it. The gateways send it their settings.
+    control_app: Annotated[str, Field(pattern=_NAME)] | None = None
 
     @model_validator(mode="after")
     def _unique(self) -> ForgeConfig:
@@ -704,22 +709,45 @@ class PoolAppConfig(_Strict):
         return self
 
 
+class ControlAppConfig(_Strict):
+    """The control application's args (``serve_app.app:build_control``): which pools have a
+    scheduler there. Names only: their settings come from the gateways, so that changing them
+    never changes these args (which would replace every slot budget and breaker)."""
+
+    schedulers: list[Annotated[str, Field(pattern=_NAME)]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> ControlAppConfig:
+        dupes = sorted(n for n, count in Counter(self.schedulers).items() if count > 1)
+        if dupes:
+            raise ValueError(f"schedulers: duplicate names {dupes}")
+        return self
+
+
 class ConfigError(ValueError):
     """The config file is wrong; the message names every bad field."""
 
 
+_Config = TypeVar("_Config", bound=BaseModel)
+
+
 def load_config(args: dict[str, Any] | None) -> ForgeConfig:
-    try:
-        return ForgeConfig.model_validate(args or {})
-    except ValidationError as exc:
-        raise ConfigError("invalid Forge config:\n" + _lines(exc)) from None
+    return _load(ForgeConfig, args, "invalid Forge config")
 
 
 def load_pool_app_config(args: dict[str, Any] | None) -> PoolAppConfig:
+    return _load(PoolAppConfig, args, "invalid Forge pool application config")
+
+
+def load_control_app_config(args: dict[str, Any] | None) -> ControlAppConfig:
+    return _load(ControlAppConfig, args, "invalid Forge control application config")
+
+
+def _load(model: type[_Config], args: dict[str, Any] | None, title: str) -> _Config:
     try:
-        return PoolAppConfig.model_validate(args or {})
+        return model.model_validate(args or {})
     except ValidationError as exc:
-        raise ConfigError("invalid Forge pool application config:\n" + _lines(exc)) from None
+        raise ConfigError(f"{title}:\n" + _lines(exc)) from None
 
 
 def _lines(exc: ValidationError) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 
 from ray import serve
 from ray.serve._private.constants import RAY_SERVE_LOG_TO_STDERR
@@ -17,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
 from serve_app.admission.client import ServeSchedulerClient
+from serve_app.admission.deployment import scheduler_deployment_name
 from serve_app.auth.keys import KeyRing
 from serve_app.backends.base import Backend
 from serve_app.backends.fallback import FallbackBackend
@@ -26,7 +28,7 @@ from serve_app.config.models import ForgeConfig
 from serve_app.gateway.server import Gateway
 from serve_app.metrics import ForgeMetrics
 from serve_app.replica import admin as replica_admin
-from serve_app.resilience.board import ServeBoard
+from serve_app.resilience.board import BOARD_DEPLOYMENT, ServeBoard
 from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.settings import breaker_client_options
 from serve_app.stack import Collaborators
@@ -45,6 +47,21 @@ def _pool_handle(pool: str, app: str) -> DeploymentHandle:
     )
 
 
+def _control_handles(forge: ForgeConfig) -> tuple[dict[str, DeploymentHandle], DeploymentHandle]:
+    """The schedulers and the board in the control application, by name (unchecked, as a
+    pool's application: the applications of one config deploy concurrently)."""
+    app = forge.control_app
+    schedulers = {
+        pool.name: serve.get_deployment_handle(
+            scheduler_deployment_name(pool.name), app_name=app, _check_exists=False
+        )
+        for pool in forge.pools
+        if pool.admission is not None
+    }
+    board = serve.get_deployment_handle(BOARD_DEPLOYMENT, app_name=app, _check_exists=False)
+    return schedulers, board
+
+
 @serve.ingress()
 class GatewayIngress(Gateway):
     def __init__(
@@ -52,9 +69,13 @@ class GatewayIngress(Gateway):
         config: dict,
         pools: dict[str, DeploymentHandle],
         schedulers: dict[str, DeploymentHandle],
-        board: DeploymentHandle,
+        board: DeploymentHandle | None,
     ) -> None:
         forge = ForgeConfig.model_validate(config)
+        if forge.control_app is not None:
+            schedulers, board = _control_handles(forge)
+        # A control application's scheduler starts with no settings: it is sent this replica's.
+        settings = self._settings_of if forge.control_app else lambda _pool: None
         metrics = ForgeMetrics()
         # Fails start-up, with the variable's name, if a Redis is configured but unresolvable.
         stores = build_stores(forge, on_state=metrics.store_changed)
@@ -79,13 +100,20 @@ class GatewayIngress(Gateway):
             store=stores.main,
             metrics=metrics,
             backends=backends,
-            schedulers={name: ServeSchedulerClient(h) for name, h in schedulers.items()},
+            schedulers={
+                name: ServeSchedulerClient(h, settings(name)) for name, h in schedulers.items()
+            },
             breakers=breakers,
             tracer=tracer_for(forge.tracing, "forge-gateway"),
             usage_store=stores.usage,
             cache_store=stores.cache,
         )
         super().__init__(forge, parts)
+
+    def _settings_of(self, pool: str) -> Callable[[], tuple[dict, list[dict]]]:
+        """What a control application's scheduler that has none yet is sent: this replica's
+        settings for the pool at the moment it asks."""
+        return lambda: self.live.scheduler_settings(pool)
 
     async def served_by_a_peer(self) -> dict | None:
         """A running replica's live change, through a handle to this deployment: Serve routes

@@ -165,9 +165,17 @@ class LiveUpdates:
         """Whether this replica is serving an older configuration than its target."""
         return self.status.get("refused") is not None
 
+    def scheduler_settings(self, pool: str) -> tuple[dict, list[dict]]:
+        """A pool's admission settings and the tenants, as this replica serves them now."""
+        config = self.config
+        admission = next(p.admission for p in config.pools if p.name == pool)
+        return admission.model_dump(), [t.model_dump() for t in config.tenants]
+
     async def _push_settings(self) -> None:
-        """At once after a change, then every ``SETTINGS_RESEND_S`` (a restarted scheduler or
-        board comes back with the args' settings and catches up here; a repeat is a no-op)."""
+        """At once, after a change, then every ``SETTINGS_RESEND_S`` (a restarted scheduler
+        or board comes back with the args' settings, or none in the control application, and
+        catches up here; a repeat is a no-op)."""
+        self._changed.set()  # the first round at once: a control application's start waits
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), SETTINGS_RESEND_S)

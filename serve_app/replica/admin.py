@@ -24,6 +24,9 @@ from ray.serve._private.constants import (
 from ray.serve.config import ProxyLocation
 from ray.serve.context import ReplicaContext
 
+from serve_app.admission.deployment import scheduler_deployment_name
+from serve_app.resilience.board import BOARD_DEPLOYMENT
+
 _PREFIX = "SERVE_REPLICA::"
 
 
@@ -111,17 +114,35 @@ def reset_breakers(app: str, backend: str | None = None) -> None:
 
 def scheduler_snapshot(app: str, pool: str) -> dict:
     """A pool's fair-admission numbers: slots used and parked, queues, in flight by tenant."""
-    return _single(app, f"scheduler-{pool}", "snapshot")
+    return _single(app, scheduler_deployment_name(pool), "snapshot")
 
 
 def _board(app: str, method: str, *args, timeout_s: float = 10.0):
-    return _single(app, "breaker-board", method, *args, timeout_s=timeout_s)
+    return _single(app, BOARD_DEPLOYMENT, method, *args, timeout_s=timeout_s)
 
 
 def _single(app: str, deployment: str, method: str, *args, timeout_s: float = 10.0):
-    """Call a deployment that has exactly one replica (the board, a pool's scheduler)."""
-    (replica,) = replica_ids(app, deployment)
+    """Call a deployment that has exactly one replica (the board, a pool's scheduler), in
+    ``app`` or, where the gateway's application ``app`` has a control application, there."""
+    replicas = replica_ids(app, deployment)
+    if not replicas:
+        app = _only_app_with(deployment)
+        replicas = replica_ids(app, deployment)
+    (replica,) = replicas
     return ray.get(_call(app, deployment, replica, method, *args), timeout=timeout_s)
+
+
+def _only_app_with(deployment: str) -> str:
+    apps = {
+        a["name"][len(_PREFIX) :].split("#")[0]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == SERVE_NAMESPACE
+        and a["name"].startswith(_PREFIX)
+        and a["name"][len(_PREFIX) :].split("#")[1:2] == [deployment]
+    }
+    if len(apps) != 1:
+        raise LookupError(f"{len(apps)} applications have a {deployment!r} deployment")
+    return apps.pop()
 
 
 # How long a new replica waits for Serve to list its direct-ingress port before it says where it

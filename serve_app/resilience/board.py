@@ -5,6 +5,12 @@ of the states (``BreakerClient``) and sends outcomes in batches. Two things do g
 at once, because they must be decided once for the whole fleet: a failure (so the breaker opens
 after the N-th failure anywhere, not after N per replica) and a half-open probe grant (exactly
 one probe, fleet-wide). It runs as a one-replica Serve deployment, like a pool's scheduler.
+
+A new board (a restart, a redeploy of its application) is rebuilt from the gateways: each sync
+carries the states the board last told that replica, and for ``ADOPT_S`` after its start the
+board takes a state it has no breaker for, cool-down left included. So an open breaker stays
+open across a board's replacement instead of letting a dead backend's traffic through again.
+A reset ends the adoption (the gateways' copies are older than the operator's word).
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ class BoardPort(Protocol):
     """What a gateway replica's ``BreakerClient`` asks of the board. ``BreakerBoard`` is the
     in-process implementation; ``ServeBoard`` reaches the one board deployment by handle."""
 
-    async def sync(self, reports: Iterable[Report]) -> Snapshot:
-        """Apply outcomes in order; every non-closed state back."""
+    async def sync(self, reports: Iterable[Report], held: Snapshot | None = None) -> Snapshot:
+        """Apply outcomes in order; every non-closed state back. ``held``: the states the
+        board last sent this caller, which a new board takes on (see the module docstring)."""
         ...
 
     async def admit(self, backend: str) -> tuple[str, Snapshot]:
@@ -52,6 +59,8 @@ class BoardPort(Protocol):
 
 
 _FORGET_AFTER_S = 600.0  # a replica's breaker nobody reported on for this long is gone
+BOARD_DEPLOYMENT = "breaker-board"
+ADOPT_S = 10.0  # a new board takes the gateways' states for this long (they sync every 0.5 s)
 
 
 class BreakerBoard:
@@ -68,6 +77,7 @@ class BreakerBoard:
         self._breakers: dict[str, Breaker] = {}
         self._touched: dict[str, float] = {}
         self._metrics = metrics
+        self._adopt_until = clock() + ADOPT_S
 
     async def configure(self, settings: dict) -> None:
         """New thresholds, windows and cool-downs for every breaker, now and to come: an open
@@ -83,9 +93,11 @@ class BreakerBoard:
             self._publish(backend, breaker)
         return breaker
 
-    async def sync(self, reports: Iterable[Report] = ()) -> Snapshot:
+    async def sync(self, reports: Iterable[Report] = (), held: Snapshot | None = None) -> Snapshot:
         """Apply a gateway replica's outcomes in the order it saw them; return every state."""
         now = self._clock()
+        if held and now < self._adopt_until:
+            self._adopt(held, now)
         for backend, outcome, probe, count in reports:
             breaker = self.breaker(backend)
             before = breaker.state
@@ -110,8 +122,19 @@ class BreakerBoard:
             self._metrics.probes.inc(tags={"backend": backend})
         return decision.value, self.snapshot()
 
+    def _adopt(self, held: Snapshot, now: float) -> None:
+        for backend, (state, cooldown_left) in held.items():
+            if backend in self._breakers or State(state) is State.CLOSED:
+                continue
+            breaker = self._breakers[backend] = Breaker(self.settings, now)
+            breaker.resume_open(now, cooldown_left)
+            breaker.adopted = True
+            self._touched[backend] = now
+            self._publish(backend, breaker, transition=True)
+
     async def reset(self, backend: str | None = None) -> Snapshot:
         """Close one breaker, or all (an operator who knows better; a test between drills)."""
+        self._adopt_until = 0.0
         for name in [backend] if backend else list(self._breakers):
             breaker = self._breakers.pop(name, None)
             if breaker is not None and breaker.state is not State.CLOSED and self._metrics:
@@ -130,6 +153,7 @@ class BreakerBoard:
                 "transitions": b.transitions,
                 "probes": b.probes,
                 "probes_per_half_open": list(b.recent_periods),
+                "adopted": b.adopted,  # taken on from a gateway's copy by a new board
             }
             for name, b in sorted(self._breakers.items())
         }
@@ -189,9 +213,11 @@ class BoardMetrics:
 
 
 class BreakerBoardDeployment(BreakerBoard):
-    """The Serve deployment class (``app.py`` binds it with the config's breaker settings)."""
+    """The Serve deployment class (``app.py`` binds it with the config's breaker settings, or
+    none in the control application: the gateways send theirs, ``configure``)."""
 
-    def __init__(self, settings: dict) -> None:
+    def __init__(self, settings: dict | None = None, *_schedulers: DeploymentHandle) -> None:
+        # ``_schedulers``: the control application's, bound here so that they deploy with it.
         super().__init__(settings, metrics=BoardMetrics())
 
 
@@ -201,8 +227,8 @@ class ServeBoard:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
 
-    async def sync(self, reports: Iterable[Report]) -> Snapshot:
-        return await self._handle.sync.remote(list(reports))
+    async def sync(self, reports: Iterable[Report], held: Snapshot | None = None) -> Snapshot:
+        return await self._handle.sync.remote(list(reports), held)
 
     async def admit(self, backend: str) -> tuple[str, Snapshot]:
         return await self._handle.admit.remote(backend)

@@ -61,6 +61,7 @@ class Breaker:
         self.transitions = 0
         self.probes = 0  # granted, ever: one per half-open period unless a probe went unanswered
         self.recent_periods: deque[int] = deque(maxlen=20)  # probes granted per half-open period
+        self.adopted = False  # rebuilt from a gateway's copy (``BreakerBoard``), not seen failing
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -98,6 +99,13 @@ class Breaker:
             for _ in range(count):
                 self._count(outcome, now)
         # Open or half-open, a non-probe outcome is stale (started before the breaker opened).
+
+    def resume_open(self, now: float, cooldown_left: float) -> None:
+        """Open, as a previous owner had it, with ``cooldown_left`` until a probe may try (a
+        half-open one is taken as open with none left: the next request probes)."""
+        self._to(State.OPEN, now)
+        cooldown = self.settings.cooldown_s
+        self.opened_at = now + min(cooldown_left, cooldown) - cooldown
 
     def trip(self, now: float) -> None:
         """Open now, whatever the counts (a pool found at zero replicas is known not to serve)."""

@@ -58,6 +58,7 @@ class BreakerClient:
         self._clock = clock
         self._on_board_error = on_board_error
         self._states: dict[str, tuple[State, float]] = {}  # backend → (state, probe may try at)
+        self._told: dict[str, tuple[State, float]] = {}  # the board's own word, local opens aside
         self._pending: list[Report] = []
         # Plain successes since each backend's last other report: sent as one count, after it.
         self._successes: dict[str, int] = {}
@@ -175,8 +176,10 @@ class BreakerClient:
         reports, self._pending = self._pending, []
         reports += [(b, Outcome.SUCCESS.value, False, n) for b, n in self._successes.items()]
         self._successes = {}
+        now = self._clock()
+        held = {b: (int(state), max(0.0, at - now)) for b, (state, at) in self._told.items()}
         try:
-            snapshot = await asyncio.wait_for(self._board.sync(reports), _BOARD_TIMEOUT_S)
+            snapshot = await asyncio.wait_for(self._board.sync(reports, held), _BOARD_TIMEOUT_S)
         except Exception as exc:
             self._board_error("sync", exc)
             return  # the reports are dropped: stale outcomes are worth less than a hung queue
@@ -214,6 +217,7 @@ class BreakerClient:
             backend: (State(state), now + cooldown_left)
             for backend, (state, cooldown_left) in snapshot.items()
         }
+        self._told = dict(self._states)
 
     # -- background sync ---------------------------------------------------------------------
 

@@ -60,7 +60,8 @@ class AdmissionStage:
             return await call_next(ctx)
 
         self.metrics.admitted.inc(tags={"tenant": tenant})
-        renewer = _KeepAlive(slots, lease, self.lifetimes.get(ctx.parsed.model, MAX_REQUEST_LIFE_S))
+        life = self.lifetimes.get(ctx.parsed.model, MAX_REQUEST_LIFE_S)
+        renewer = _KeepAlive(slots, lease, (tenant, tier), life)
         released = False
 
         def release(completed: bool = True) -> None:
@@ -122,9 +123,12 @@ class _KeepAlive:
     most (then the lease lapses on its own: the scheduler reclaims it): a timer rather than a
     task per request, since nearly every request ends long before its first renewal."""
 
-    def __init__(self, slots: WarmSlots, lease: Lease, max_life_s: float = 0.0) -> None:
+    def __init__(
+        self, slots: WarmSlots, lease: Lease, holder: tuple[str, str], max_life_s: float = 0.0
+    ) -> None:
         self.slots = slots
         self.lease = lease
+        self.holder = holder  # (tenant, tier): a restarted scheduler takes the lease back
         self.period_s = max(0.1, lease.ttl_s / 3)
         self._loop = asyncio.get_running_loop()
         self._until = self._loop.time() + (max_life_s or MAX_REQUEST_LIFE_S)
@@ -138,7 +142,7 @@ class _KeepAlive:
 
     async def _send(self) -> None:
         with contextlib.suppress(Exception):
-            await self.slots.renew(self.lease.lease_id)
+            await self.slots.renew(self.lease.lease_id, *self.holder)
 
     def cancel(self) -> None:
         self._timer.cancel()

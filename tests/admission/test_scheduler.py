@@ -159,6 +159,45 @@ async def test_expired_leases_are_reclaimed_counted_and_handed_to_waiters():
     assert sched.renew(grant.lease_id) is None
 
 
+async def test_a_restarted_scheduler_takes_renewed_leases_back_and_grants_none_past_the_budget():
+    """Item 7 of issue 30: the old scheduler's holders renew on the new one, which learns what
+    is in flight and queues newcomers until the pool is under its budget again."""
+    clock = Clock()
+    old = FairScheduler(2, lease_ttl_s=30, clock=clock)
+    held = [await old.acquire("acme", deadline_s=LONG) for _ in range(2)]
+
+    new = FairScheduler(2, lease_ttl_s=30, clock=clock)  # a restart: nothing known
+    early = await new.acquire("beta", deadline_s=LONG)  # granted before any renewal came
+    for grant in held:
+        assert new.renew(grant.lease_id, tenant="acme", tier="interactive") is not None
+    snap = new.snapshot()
+    assert snap.slots_used == 3 and snap.inflight == {"beta": 1, "acme": 2}
+    assert snap.adopted == {"acme": 2}
+
+    waiter = asyncio.create_task(new.acquire("beta", deadline_s=LONG))
+    await settle()
+    new.release(early.lease_id)
+    await settle()
+    assert not waiter.done(), "3 held of 2: one release leaves the pool at its budget"
+    new.release(held[0].lease_id)
+    assert (await waiter).tenant == "beta"
+
+
+async def test_a_renewal_that_crossed_its_release_does_not_bring_the_lease_back():
+    clock = Clock()
+    sched = FairScheduler(1, lease_ttl_s=10, clock=clock)
+    grant = await sched.acquire("acme", deadline_s=LONG)
+    sched.release(grant.lease_id)
+    assert sched.renew(grant.lease_id, tenant="acme") is None
+    assert sched.release("released-before-known") is False
+    assert sched.renew("released-before-known", tenant="acme") is None
+    assert sched.slots_used == 0
+    clock.now = 11  # remembered for one TTL, then forgotten
+    sched.expire_leases()
+    assert sched.renew(grant.lease_id, tenant="acme") is not None
+    assert sched.renew("unnamed-holder") is None  # a renewal naming no tenant never adopts
+
+
 async def test_acquire_reclaims_expired_leases_lazily():
     clock = Clock()
     sched = FairScheduler(1, lease_ttl_s=10, clock=clock)

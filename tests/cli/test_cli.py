@@ -215,3 +215,33 @@ def test_config_check_holds_the_gateway_and_its_pools_applications_to_each_other
     bad.write_text(yaml.safe_dump(document))
     assert cli.main(["config", "check", str(bad)]) == 1
     assert "engine: set in application 'forge-pool-primary'" in capsys.readouterr().err
+
+
+def test_config_check_holds_the_gateway_and_its_control_application_to_each_other(tmp_path, capsys):
+    """Every admitted pool needs a scheduler in the control application: one missing would be
+    admitted with no slot budget at all (each request failing open)."""
+    import yaml
+
+    def check(edit) -> str:
+        document = yaml.safe_load(open("configs/local.yaml"))
+        edit({a["name"]: a for a in document["applications"]}, document)
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump(document))
+        assert cli.main(["config", "check", str(bad)]) == 1
+        return capsys.readouterr().err
+
+    def no_scheduler(apps, _document):
+        apps["forge-control"]["args"]["schedulers"] = []
+
+    def gone(apps, document):
+        document["applications"] = [a for a in apps.values() if a["name"] != "forge-control"]
+
+    def not_a_control(apps, _document):
+        apps["forge-control"]["import_path"] = "serve_app.app:build_pool"
+
+    where = "control_app: application 'forge-control'"
+    assert f"{where} has no scheduler for pools ['primary']" in check(no_scheduler)
+    assert f"{where} is not in the Serve config" in check(gone)
+    assert f"{where} is not built by serve_app.app:build_control" in check(not_a_control)
+    assert cli.main(["config", "check", "configs/local.yaml"]) == 0
+    assert "schedulers and breaker board in forge-control" in capsys.readouterr().out

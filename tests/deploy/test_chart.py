@@ -955,8 +955,9 @@ def test_every_deployment_has_a_group_to_scale(rendered):
     placed = placements(rendered.one("RayService"), deployments(rendered))
     names = {n: {d.name for d in ds} for n, ds in placed.items()}
     anchors = {"forge-pool-primary/ingress", "forge-pool-embed/ingress"}  # replica/pool_ingress.py
-    assert names["headgroup"] == {"scheduler-primary", "breaker-board"} | anchors
-    assert names["cpu"] == {"gateway", "scheduler-primary", "breaker-board"} | anchors
+    control = {"forge-control/scheduler-primary", "forge-control/breaker-board"}
+    assert names["headgroup"] == control | anchors
+    assert names["cpu"] == {"gateway"} | control | anchors
     assert names["gpu-t4"] == {POOL_PRIMARY, POOL_EMBED}
 
 

@@ -20,9 +20,9 @@ class CountingBoard(BreakerBoard):
         super().__init__(*args, **kwargs)
         self.calls: list[str] = []
 
-    async def sync(self, reports=()):
+    async def sync(self, reports=(), held=None):
         self.calls.append("sync")
-        return await super().sync(reports)
+        return await super().sync(reports, held)
 
     async def admit(self, backend):
         self.calls.append("admit")
@@ -89,7 +89,7 @@ async def test_an_unreachable_board_fails_open_and_is_counted():
     errors: list[str] = []
 
     class Unreachable:
-        async def sync(self, reports):
+        async def sync(self, reports, held=None):
             raise ConnectionError("board gone")
 
         async def admit(self, backend):
@@ -127,9 +127,9 @@ async def test_a_healthy_path_sends_one_summed_report_per_backend_in_order():
     sent: list = []
 
     class RecordingBoard(BreakerBoard):
-        async def sync(self, reports=()):
+        async def sync(self, reports=(), held=None):
             sent.append(list(reports))
-            return await super().sync(reports)
+            return await super().sync(reports, held)
 
     board = RecordingBoard(S, clock)
     client = BreakerClient(board, sync_interval_s=60, clock=clock)
@@ -195,9 +195,9 @@ class SlowBoard(BreakerBoard):
         super().__init__(*args)
         self.gate = asyncio.Event()
 
-    async def sync(self, reports):
+    async def sync(self, reports, held=None):
         await self.gate.wait()
-        return await super().sync(reports)
+        return await super().sync(reports, held)
 
 
 async def test_a_gateway_opens_its_own_copy_on_the_failures_that_open_the_board():
@@ -275,3 +275,41 @@ async def test_a_replica_that_only_reset_a_breaker_keeps_its_copy_fresh():
     )
     await idle.aclose()
     await worker.aclose()
+
+
+async def test_a_new_board_keeps_open_what_the_old_one_had_open():
+    """Item 7 of issue 30: the board replaced (its application redeployed, its replica
+    restarted) learns the open breakers from the gateways' next syncs, cool-down included."""
+    clock = Clock()
+    old = BreakerBoard(S, clock)
+    client = BreakerClient(old, sync_interval_s=60, clock=clock)
+    for _ in range(3):
+        client.record("primary", Outcome.FAILURE)
+    await client.flush()
+    assert client.state("primary") is State.OPEN
+    clock.now += 2  # 3 s of the 5 s cool-down left
+
+    new = BreakerBoard(S, clock)
+    client._board = new  # the handle now reaches the new board's replica
+    await client.flush()
+    assert client.state("primary") is State.OPEN, "the new board forgot the open breaker"
+    described = (await new.describe())["primary"]
+    assert described["state"] == "open" and described["adopted"] is True
+    assert described["retry_in_s"] == 3.0
+    clock.now += 3
+    assert await client.admit("primary") is Admit.PROBE
+
+
+async def test_a_new_board_adopts_only_while_young_and_never_after_a_reset():
+    clock = Clock()
+    held = {"primary": (int(State.OPEN), 4.0)}
+    late = BreakerBoard(S, clock)
+    clock.now += 11  # past ADOPT_S: the gateways' copies are the board's own word by now
+    assert await late.sync([], held) == {}
+
+    reset = BreakerBoard(S, clock)
+    await reset.reset()
+    assert await reset.sync([], held) == {}
+
+    young = BreakerBoard(S, clock)
+    assert await young.sync([], held) == {"primary": (int(State.OPEN), 4.0)}

@@ -1,0 +1,82 @@
+"""A control application's scheduler: it starts with no settings and takes the gateways'; the
+gateway side sends them when it meets one that has none, and its leases come back on renewal.
+
+The deployment class is driven through a stand-in for its Serve handle that calls it in this
+process (what crosses is pickled, as a handle would), so what is tested is the seam the gateway
+uses, without a cluster. ``tests/e2e/test_control_app.py`` runs the same through Serve.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from serve_app.admission.client import ServeSchedulerClient, Unconfigured
+from serve_app.admission.deployment import SchedulerDeployment
+from serve_app.admission.scheduler import Shed
+
+ADMISSION = {"max_inflight": 1, "deadline_s": 0.2, "keep_warm_s": 0}
+TENANTS = [{"name": "alpha", "key_hashes": ["a" * 64]}]
+
+
+class InProcessHandle:
+    """``handle.method.remote(*args)`` on an object here, arguments and errors pickled."""
+
+    def __init__(self, target: object) -> None:
+        self._target = target
+
+    def __getattr__(self, method: str):
+        target = self._target
+
+        class _Method:
+            async def remote(self, *args):
+                try:
+                    result = getattr(target, method)(*pickle.loads(pickle.dumps(args)))
+                    if hasattr(result, "__await__"):
+                        result = await result
+                except Exception as exc:
+                    raise pickle.loads(pickle.dumps(exc)) from None
+                return pickle.loads(pickle.dumps(result))
+
+        return _Method()
+
+
+async def test_an_unconfigured_scheduler_is_sent_the_settings_by_its_first_caller():
+    scheduler = SchedulerDeployment("primary")  # as build_control binds it: no settings
+    with pytest.raises(Unconfigured):
+        await scheduler.acquire("alpha", None)
+
+    asked: list[str] = []
+
+    def settings() -> tuple[dict, list[dict]]:
+        asked.append("settings")
+        return ADMISSION, TENANTS
+
+    client = ServeSchedulerClient(InProcessHandle(scheduler), settings)
+    lease = await client.acquire("alpha", None)
+    assert asked == ["settings"]
+    assert scheduler.snapshot()["slots_total"] == 1 and scheduler.snapshot()["slots_used"] == 1
+    assert await client.renew(lease.lease_id, "alpha", "interactive") is True
+    assert asked == ["settings"], "a configured scheduler is not sent them again"
+
+
+async def test_a_client_without_settings_lets_unconfigured_through():
+    client = ServeSchedulerClient(InProcessHandle(SchedulerDeployment("primary")))
+    with pytest.raises(Unconfigured):
+        await client.acquire("alpha", None)
+
+
+async def test_a_restarted_scheduler_learns_a_live_lease_from_its_renewal():
+    old = ServeSchedulerClient(InProcessHandle(SchedulerDeployment("primary", ADMISSION, TENANTS)))
+    lease = await old.acquire("alpha", None)
+
+    restarted = SchedulerDeployment("primary")
+    client = ServeSchedulerClient(InProcessHandle(restarted), lambda: (ADMISSION, TENANTS))
+    assert await client.renew(lease.lease_id, "alpha", "batch") is True
+    snapshot = restarted.snapshot()
+    assert snapshot["slots_used"] == 1 and snapshot["inflight"] == {"alpha": 1}
+    assert snapshot["adopted_leases"] == 1
+    with pytest.raises(Shed) as shed:  # the budget is held: a newcomer waits, and is refused
+        await client.acquire("alpha", None)
+    assert shed.value.reason == "deadline"
