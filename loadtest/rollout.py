@@ -9,7 +9,11 @@ clients through :8000, then ``serve deploy`` of changed copies, one per phase, w
 - **pool-options**: the primary pool's Ray actor options, in its ``deployments`` entry of its
   application (a deployment option: Serve rolls that deployment alone);
 - **pool**: one engine setting of the primary pool (its own application's ``args``);
-- **gateway**: one gateway setting (the gateway application's ``args``).
+- **gateway**: one gateway setting (the gateway application's ``args``). The schedulers and
+  the breaker board run in the control application (``forge-control``): the phase opens the
+  embedding pool's breaker first (its replica answering 500, then healed), samples the primary
+  pool's slots while the gateways roll, and checks that the scheduler and the board were kept,
+  the slots never went past the budget, and the breaker is still open afterwards.
 
 Per phase: the requests started in it, completed, truncated (200 then no end), errors, served
 by the fallback; how long the rollout took (``serve deploy`` until no replica is starting or
@@ -22,20 +26,23 @@ dashboard's Serve API).
 ``--check`` exits 1 unless: a live change replaced no replica, lost no request and served its
 new tenant; a refused change kept the running configuration and named the bad field; a pool's
 deployment options replaced that pool's replicas and nothing else; a pool's engine setting
-replaced that pool's application and nothing else; and no phase truncated a stream or answered
-with an error.
+replaced that pool's application and nothing else; a gateway change replaced the gateway and
+neither the scheduler nor the board, kept the pool within its slots and an open breaker open;
+and no phase truncated a stream or answered with an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -64,6 +71,8 @@ GAMMA_KEY = "sk-drill-gamma-local-only"  # the tenant the tenant phase adds
 PHASES = ("tenant", "refused", "pool-options", "pool", "gateway")
 POOL = "pool-primary"  # the deployment the pool phases change
 POOL_APP = "forge-pool-primary"  # the application it runs in (configs/local.yaml)
+CONTROL_APP = "forge-control"  # the schedulers' and the board's (configs/local.yaml)
+KEPT_BY_GATEWAY = (f"{CONTROL_APP}/scheduler-primary", f"{CONTROL_APP}/breaker-board")
 SETTLE_S = 5.0  # traffic after a rollout, still counted in its phase
 REQUEST_TIMEOUT_S = 120.0
 
@@ -78,6 +87,8 @@ class Phase:
     replaced: dict[str, int] = field(default_factory=dict)  # deployment → replicas replaced
     kept: dict[str, int] = field(default_factory=dict)  # deployment → same id and PID
     note: str = ""
+    breaker_before: str = ""  # gateway: the opened breaker's state before the roll
+    slots: dict[str, int] = field(default_factory=dict)  # gateway: slots sampled while it rolls
 
 
 def _tenants(app: dict) -> list[dict]:
@@ -145,7 +156,7 @@ class Cluster:
         ).json()
         found: dict[str, dict[str, tuple[int, str]]] = {"_status": {}}
         for app_name, app in details["applications"].items():
-            if app_name != "forge" and not app_name.startswith("forge-pool-"):
+            if app_name not in ("forge", CONTROL_APP) and not app_name.startswith("forge-pool-"):
                 continue
             found["_status"][app_name] = (0, app["status"])
             for name, d in app["deployments"].items():
@@ -204,6 +215,65 @@ def key_works(key: str) -> bool:
     return response.status_code == 200
 
 
+OPENED = "embed"  # the pool whose breaker the gateway phase opens (no drill traffic uses it)
+
+
+def _admin(method: str, path: str, **kwargs) -> httpx.Response:
+    headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+    return httpx.request(method, f"{LOCAL_URL}{path}", headers=headers, timeout=30, **kwargs)
+
+
+def breaker_state(backend: str) -> str:
+    return _admin("GET", "/admin/breakers").json().get(backend, {}).get("state", "closed")
+
+
+def open_a_breaker(pool: str) -> str:
+    """Make ``pool``'s replicas answer 500 until its breaker opens, then heal them: the breaker
+    stays open (no request probes it); what it is before the gateway rolls."""
+    fault = {"pool": pool, "fault": {"mode": "error"}}
+    _admin("POST", "/admin/faults", json=fault).raise_for_status()
+    body = {"model": "forge-embed", "input": "x"}
+    headers = {"authorization": f"Bearer {ALPHA_KEY}"}
+    try:
+        for _ in range(20):
+            httpx.post(f"{LOCAL_URL}/v1/embeddings", json=body, headers=headers, timeout=30)
+            if breaker_state(pool) == "open":
+                break
+    finally:
+        _admin("POST", "/admin/faults", json={"pool": pool, "fault": {"mode": "none"}})
+    return breaker_state(pool)
+
+
+class SlotWatch:
+    """The primary pool's admission slots, sampled from ``/admin/status`` while the gateways
+    roll (whichever gateway answers: they share the scheduler)."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.max_used = self.total = self.n = 0
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> SlotWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                (pool,) = [p for p in admin_status()["pools"] if p["name"] == "primary"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue  # a gateway going away: the next sample
+            admission = pool["admission"] or {}
+            self.max_used = max(self.max_used, admission.get("slots_used", 0))
+            self.total = admission.get("slots_total", self.total)
+            self.n += 1
+
+
 def wait_for(condition, timeout_s: float, interval_s: float = 0.25) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -219,6 +289,8 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.25) -> bool:
 def run_phase(cluster: Cluster, config: dict, phase: Phase, workdir: Path, began: float) -> dict:
     """Deploy the phase's config and wait until its change is served and nothing is in flux."""
     changed = variant(config, phase.name)
+    if phase.name == "gateway":
+        phase.breaker_before = open_a_breaker(OPENED)
     path = workdir / f"{phase.name}.yaml"
     path.write_text(yaml.safe_dump(changed, sort_keys=False))
     before = cluster.replicas()
@@ -238,10 +310,18 @@ def run_phase(cluster: Cluster, config: dict, phase: Phase, workdir: Path, began
             f"error names tenants.0.limits.rpm: {'tenants.0.limits.rpm' in error}"
         )
         changed = config  # what runs is still the previous configuration
-    time.sleep(2)  # Serve notices the new target
-    wait_for(lambda: settled(cluster.replicas()), 300, 1.0)
+    with SlotWatch() if phase.name == "gateway" else contextlib.nullcontext() as slots:
+        time.sleep(2)  # Serve notices the new target
+        wait_for(lambda: settled(cluster.replicas()), 300, 1.0)
     phase.rollout_s = time.perf_counter() - t0
     phase.replaced, phase.kept = compare(before, cluster.replicas())
+    if slots is not None:
+        breaker = breaker_state(OPENED)
+        phase.slots = {"max_used": slots.max_used, "total": slots.total, "samples": slots.n}
+        phase.note = (
+            f"slots used at most {slots.max_used} of {slots.total} ({slots.n} samples); "
+            f"{OPENED}'s breaker {breaker} after the roll"
+        )
     time.sleep(SETTLE_S)
     phase.end = time.perf_counter() - began
     return changed
@@ -296,6 +376,8 @@ def summarize(phases: list[Phase], results: list[traffic.Result], warmup_end: fl
                 "replaced": {k: v for k, v in phase.replaced.items() if v},
                 "kept": {k: v for k, v in phase.kept.items() if v},
                 "note": phase.note,
+                "breaker_before": phase.breaker_before,
+                "slots": phase.slots,
             }
         rows.append(row)
     return rows
@@ -325,6 +407,23 @@ def problems(rows: list[dict]) -> list[str]:
             found.append(f"tenant: {row['note']}")
         if name == "refused" and "False" in row.get("note", ""):
             found.append(f"refused: {row['note']}")
+        if name == "gateway":
+            found += _gateway_problems(row)
+    return found
+
+
+def _gateway_problems(row: dict) -> list[str]:
+    found = []
+    replaced = row.get("replaced", {})
+    if "gateway" not in replaced or any(replaced.get(d) for d in KEPT_BY_GATEWAY):
+        found.append(f"gateway: replaced {replaced}, not the gateway alone")
+    slots = row.get("slots") or {}
+    if not slots.get("samples") or slots["max_used"] > slots["total"]:
+        found.append(f"gateway: slots {slots}: past the budget, or never sampled")
+    if row.get("breaker_before") != "open" or f"{OPENED}'s breaker open" not in row["note"]:
+        found.append(
+            f"gateway: {OPENED}'s breaker {row.get('breaker_before')} before; {row['note']}"
+        )
     return found
 
 

@@ -76,3 +76,22 @@ def test_check_fails_a_live_change_that_replaced_a_replica_or_lost_a_request():
     assert rollout.problems([{**ok, "replaced": {"gateway": 1}}])
     assert rollout.problems([{**ok, "phase": "pool", "truncated": 1}])
     assert rollout.problems([{**ok, "phase": "refused", "note": "configuration kept: False"}])
+
+
+def test_check_fails_a_gateway_change_that_replaced_the_control_or_lost_a_budget_or_breaker():
+    ok = {
+        "phase": "gateway",
+        "truncated": 0,
+        "errors": 0,
+        "replaced": {"gateway": 1},
+        "slots": {"max_used": 16, "total": 16, "samples": 40},
+        "breaker_before": "open",
+        "note": "slots used at most 16 of 16 (40 samples); embed's breaker open after the roll",
+    }
+    assert rollout.problems([ok]) == []
+    scheduler = f"{rollout.CONTROL_APP}/scheduler-primary"
+    assert rollout.problems([{**ok, "replaced": {"gateway": 1, scheduler: 1}}])
+    assert rollout.problems([{**ok, "slots": {"max_used": 17, "total": 16, "samples": 40}}])
+    assert rollout.problems([{**ok, "slots": {"max_used": 0, "total": 0, "samples": 0}}])
+    assert rollout.problems([{**ok, "note": "embed's breaker closed after the roll"}])
+    assert rollout.problems([{**ok, "breaker_before": "closed"}])
