@@ -140,7 +140,10 @@ async def test_a_gateway_change_keeps_the_slot_budget_and_the_open_breakers(forg
                 _blocking=False,
             )
             await eventually_async(
-                rolled, timeout_s=120, what="a new gateway running, the old one draining"
+                rolled,
+                timeout_s=120,
+                what="a new gateway running, the old one draining",
+                interval_s=0.5,  # a controller call each time
             )
             assert set(replica_admin.replica_ids(GATEWAY_APP, "gateway")) - set(gateway)
             ended = [
