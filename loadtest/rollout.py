@@ -192,9 +192,13 @@ def compare(before: dict, after: dict) -> tuple[dict[str, int], dict[str, int]]:
     return replaced, kept
 
 
-def admin_status() -> dict:
+def _admin(method: str, path: str, **kwargs) -> httpx.Response:
     headers = {"authorization": f"Bearer {ADMIN_KEY}"}
-    return httpx.get(f"{LOCAL_URL}/admin/status", headers=headers, timeout=10).json()
+    return httpx.request(method, f"{LOCAL_URL}{path}", headers=headers, timeout=30, **kwargs)
+
+
+def admin_status() -> dict:
+    return _admin("GET", "/admin/status").json()
 
 
 def key_works(key: str) -> bool:
@@ -216,11 +220,6 @@ def key_works(key: str) -> bool:
 
 
 OPENED = "embed"  # the pool whose breaker the gateway phase opens (no drill traffic uses it)
-
-
-def _admin(method: str, path: str, **kwargs) -> httpx.Response:
-    headers = {"authorization": f"Bearer {ADMIN_KEY}"}
-    return httpx.request(method, f"{LOCAL_URL}{path}", headers=headers, timeout=30, **kwargs)
 
 
 def breaker_state(backend: str) -> str:

@@ -38,28 +38,23 @@ from serve_app.tracing import tracer_for
 logger = logging.getLogger("ray.serve")
 
 
-def _pool_handle(pool: str, app: str) -> DeploymentHandle:
-    """A pool in an application of its own, by name. Not checked against the controller: the
-    applications of one Serve config deploy concurrently, and until the pool's replicas exist
-    its requests wait (or fail over) as they do for a pool scaled to zero."""
-    return serve.get_deployment_handle(
-        pool_deployment_name(pool), app_name=app, _check_exists=False
-    )
+def _by_name(deployment: str, app: str) -> DeploymentHandle:
+    """A deployment in another application (a pool's own, the control application), by name.
+    Not checked against the controller: the applications of one Serve config deploy
+    concurrently, and until its replicas exist its calls wait (a pool's requests wait or fail
+    over, as for a pool scaled to zero; a scheduler's fail open)."""
+    return serve.get_deployment_handle(deployment, app_name=app, _check_exists=False)
 
 
 def _control_handles(forge: ForgeConfig) -> tuple[dict[str, DeploymentHandle], DeploymentHandle]:
-    """The schedulers and the board in the control application, by name (unchecked, as a
-    pool's application: the applications of one config deploy concurrently)."""
+    """The schedulers and the board in the control application."""
     app = forge.control_app
     schedulers = {
-        pool.name: serve.get_deployment_handle(
-            scheduler_deployment_name(pool.name), app_name=app, _check_exists=False
-        )
+        pool.name: _by_name(scheduler_deployment_name(pool.name), app)
         for pool in forge.pools
         if pool.admission is not None
     }
-    board = serve.get_deployment_handle(BOARD_DEPLOYMENT, app_name=app, _check_exists=False)
-    return schedulers, board
+    return schedulers, _by_name(BOARD_DEPLOYMENT, app)
 
 
 @serve.ingress()
@@ -91,7 +86,11 @@ class GatewayIngress(Gateway):
             # The router is keyed by the application the pool's deployment is in.
             bridge = pool_bridge(pool.app or app, pool.name)
             bridge.breakers = breakers  # what the pool's router reads in this process
-            handle = pools[pool.name] if pool.app is None else _pool_handle(pool.name, pool.app)
+            handle = (
+                pools[pool.name]
+                if pool.app is None
+                else _by_name(pool_deployment_name(pool.name), pool.app)
+            )
             backends[pool.name] = PoolBackend(pool.name, handle, pool_timeouts(pool), bridge)
         if forge.fallback is not None:
             backends["fallback"] = FallbackBackend(forge.fallback)  # a missing key stops start-up
