@@ -173,7 +173,12 @@ async def test_a_cancelled_non_streamed_chat_is_charged_what_vllm_generated(engi
     assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
     assert usage.prompt_tokens == vllm_metric("vllm:prompt_tokens_total") - prompt_before
     assert 4 <= usage.completion_tokens < 1800
-    assert usage.completion_tokens == generated_tokens() - generated_before
+    # Token for token, but for the one engine step vLLM had made and not yet handed over when
+    # the abort came (docs/vllm.md: not counted; CI once saw 9 counted of vLLM's 10).
+    in_flight = generated_tokens() - generated_before - usage.completion_tokens
+    assert 0 <= in_flight <= 1, (
+        f"counted {usage.completion_tokens}, vLLM generated more by {in_flight}"
+    )
     assert await engine.abandoned.collect("req-left", 0.05) is None
 
 
