@@ -94,6 +94,16 @@ def wrong_route(model: str, embeddings: bool) -> ForgeError:
     )
 
 
+def context_length_exceeded(model: str, needed: int, largest: int) -> ForgeError:
+    """OpenAI's and vLLM's code for a request longer than the model takes."""
+    return invalid_request(
+        f"This request needs {needed} tokens (prompt and completion); the longest model '{model}' "
+        f"can route to takes {largest}. Shorten the messages or lower max_tokens.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
 def unsupported_route(model: str, kind: str) -> ForgeError:
     """A model whose only backend does not serve this kind of request (an upstream without
     /v1/completions): named, instead of the upstream's bare 404."""

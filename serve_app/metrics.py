@@ -78,6 +78,42 @@ class ForgeMetrics:
             "Time from request arrival to the end of the answer.",
             *("route", "model", "backend"),
         )
+        # Traffic policy (``serve_app/traffic/``): a model's variants and the chain's spills.
+        self.variant_requests = counter(
+            "forge_variant_requests_total",
+            "Requests to a models: entry by model, variant, the backend that answered and status.",
+            *("model", "variant", "backend", "status"),
+        )
+        self.variant_ttft = histogram(
+            "forge_variant_ttft_seconds",
+            "Time to first byte of a models: entry's requests its variant's pool answered.",
+            *("model", "variant"),
+        )
+        self.variant_tpot = histogram(
+            "forge_variant_tpot_seconds",
+            "Time per output token of a models: entry's streams its variant's pool answered.",
+            *("model", "variant"),
+        )
+        self.spills = counter(
+            "forge_spills_total",
+            "Requests a model's chain sent on from a pool before trying it (overload).",
+            *("model", "source", "to", "reason"),
+        )
+        self.shadow_requests = counter(
+            "forge_shadow_requests_total",
+            "Shadow copies by model, pool and status (dropped: none started, at the cap).",
+            *("model", "pool", "status"),
+        )
+        self.shadow_tokens = counter(
+            "forge_shadow_tokens_total",
+            "Tokens shadow copies used, by model, pool and kind: never a tenant's usage.",
+            *("model", "pool", "kind"),
+        )
+        self.shadow_ttft = histogram(
+            "forge_shadow_ttft_seconds",
+            "Time to first byte of shadow copies.",
+            *("model", "pool"),
+        )
         self.config_changes = counter(
             "forge_config_changes_total",
             "Live configuration changes (the gateway's user_config) applied or refused.",

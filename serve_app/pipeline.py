@@ -26,6 +26,7 @@ from serve_app.engines.base import Kind
 
 if TYPE_CHECKING:
     from serve_app.stages.cache_rules import StreamedAnswer
+    from serve_app.traffic.policy import Target
 
 logger = logging.getLogger("ray.serve")
 
@@ -75,6 +76,11 @@ class RequestContext:
     prompt_estimate: int | None = None  # the gateway's count of the prompt, once made
     model_served: bool = False  # set by parse: the body's model is one this gateway serves
     turn: Any = None  # the dialect's own state for this request, set as it translates the body
+    # Where the model name leads (``traffic.policy.Target``), set by parse for a served model.
+    target: Target | None = None
+    # The first backend that failed the request or was routed around (its breaker open, or
+    # scaled to zero): a variant's pool that could not serve it (``stages/telemetry.py``).
+    first_failure: str | None = None
 
     @property
     def route_label(self) -> str:
@@ -89,6 +95,15 @@ class RequestContext:
         """The model asked for, once the body is validated ("none" before, or for listings)."""
         model = getattr(self.parsed, "model", None)
         return model if isinstance(model, str) else "none"
+
+    @property
+    def pool_model(self) -> str:
+        """The model of the pool the request starts on (an alias's variant, or the step a
+        chain spilled to): what quota's token default, the cache and admission key by."""
+        target = self.target
+        if target is not None and target.pool_model is not None:
+            return target.pool_model
+        return self.model_name
 
     def own_timeout(self, err: Exception) -> Exception:
         """A backend timeout that fired because the *client's* deadline ran out is the client's

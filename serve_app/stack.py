@@ -21,7 +21,7 @@ tracing on, a root span opens before all of them, ``stages/trace.py``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -56,6 +56,9 @@ from serve_app.stages.store_failures import StoreFailures
 from serve_app.stages.telemetry import TelemetryStage
 from serve_app.stages.trace import TraceStage
 from serve_app.store import Store
+from serve_app.traffic.policy import TrafficPolicy
+from serve_app.traffic.shadow import Shadows
+from serve_app.traffic.watch import TrafficWatch
 
 S = TypeVar("S", bound=Stage)
 
@@ -96,9 +99,13 @@ class LastingParts:
     settles: Settles  # refunds and lease releases, retried until the store confirms them
     auth_throttle: FailedAuthThrottle | None
     slots: Mapping[str, WarmSlots]  # pool name → this replica's slots of it (admission pools)
+    watch: TrafficWatch  # each model variant's window, and the canaries aborted
+    shadows: Shadows  # the shadow copies still running
 
     def retune(self, config: ForgeConfig) -> None:
-        """A live change's per-tenant cap and keep-warm for the slots already held."""
+        """A live change's per-tenant cap and keep-warm for the slots already held, and its
+        models: entries (an entry that changed starts its window over, its abort lifted)."""
+        self.watch.retune(config.models)
         for pool in config.pools:
             slots = self.slots.get(pool.name)
             if slots is not None and pool.admission is not None:
@@ -127,7 +134,10 @@ def build_lasting(config: ForgeConfig, parts: Collaborators) -> LastingParts:
         p.name: warm_slots(parts.schedulers[p.name], p.admission) for p in _admitted(config, parts)
     }
     settles = Settles(StoreFailures(parts.metrics, "retried until it lands"))
-    return LastingParts(ledger, settles, throttle, slots)
+    watch = TrafficWatch()
+    watch.retune(config.models)
+    shadows = Shadows(parts.backends, parts.metrics)
+    return LastingParts(ledger, settles, throttle, slots, watch, shadows)
 
 
 def _admitted(config: ForgeConfig, parts: Collaborators) -> list[PoolConfig]:
@@ -156,16 +166,16 @@ def build_pipeline(
     parts: Collaborators,
     lasting: LastingParts,
     *,
-    routes: Mapping[str, Sequence[Backend]],
     list_models: Handler,
 ) -> Pipeline:
-    """The request path around ``lasting`` (built once, kept across rebuilds). ``routes``:
-    model → its backends in order of preference; with ``parts.tracer``, a root span first and a
-    span per stage."""
+    """The request path around ``lasting`` (built once, kept across rebuilds), with ``config``'s
+    traffic policy (``traffic/policy.py``: where each served name leads); with
+    ``parts.tracer``, a root span first and a span per stage."""
     metrics, tracer = parts.metrics, parts.tracer
+    policy = TrafficPolicy(config, lasting.watch)
     front: list[Stage] = [
         RequestIdStage(),
-        TelemetryStage(metrics),
+        TelemetryStage(metrics, lasting.watch),
         AuthStage(parts.keyring, lasting.auth_throttle),
     ]
     responses = ResponsesDialect(
@@ -177,7 +187,7 @@ def build_pipeline(
         )
     )
     dialects: dict[str, Dialect] = {"responses": responses, "messages": MessagesDialect()}
-    parse = ParseStage(config.gateway, model_tasks(config, routes), dialects)
+    parse = ParseStage(config.gateway, policy, dialects)
     admitted = _admitted(config, parts)
     # How long a request may hold a lease or a slot at most: its total deadline, then the
     # abandoned-usage question and a retry's slack. Renewers stop there, whatever happened.
@@ -205,10 +215,16 @@ def build_pipeline(
         ),
     ]
     dispatch = Dispatch(
-        dict(routes),
+        {
+            route: [parts.backends[s.backend] for s in steps]
+            for route, steps in policy.routes.items()
+        },
         parts.breakers,
         RetryBudget(retry_budget_settings(config.resilience.retry_budget)),
         metrics,
+        conditions={route: [s.on for s in steps] for route, steps in policy.routes.items()},
+        served={p.name: p.model for p in config.pools},
+        shadows=lasting.shadows,
     )
     counting = [*front, parse]
     if tracer is None:
@@ -268,23 +284,3 @@ def warm_slots(client: SchedulerClient, admission: AdmissionConfig) -> WarmSlots
     """This replica's view of a pool's slots, with the scheduler's own per-tenant cap."""
     cap = tenant_cap(admission.max_inflight, admission.max_tenant_share)
     return WarmSlots(client, tenant_cap=cap, keep_warm_s=admission.keep_warm_s)
-
-
-def model_tasks(config: ForgeConfig, routes: Mapping[str, object]) -> dict[str, str]:
-    """Served model → what it does; a model only the fallback serves generates."""
-    tasks = {pool.model: pool.task for pool in config.pools}
-    return {model: tasks.get(model, "generate") for model in routes}
-
-
-def model_routes(config: ForgeConfig, backends: Mapping[str, Backend]) -> dict[str, list[Backend]]:
-    """Model → backends in order: its pool, then the fallback where the pool allows it; the
-    fallback's own model name is served by the fallback alone."""
-    fallback = backends.get("fallback")
-    routes: dict[str, list[Backend]] = {}
-    for pool in config.pools:
-        routes[pool.model] = [backends[pool.name]]
-        if fallback is not None and pool.fallback:
-            routes[pool.model].append(fallback)
-    if fallback is not None and config.fallback is not None:
-        routes.setdefault(config.fallback.model, [fallback])
-    return routes

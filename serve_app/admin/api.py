@@ -165,12 +165,43 @@ class LiveConfigStatus(BaseModel):
     )
 
 
+class VariantWindow(BaseModel):
+    requests: int
+    errors: int = Field(description="5xx, or failed by the variant's pool before another served.")
+    error_ratio: float
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None = Field(description="Of the answers the variant's own pool gave.")
+    tpot_p95_s: float | None
+
+
+class CanaryVerdict(BaseModel):
+    decision: Literal["promote", "hold", "abort"]
+    reasons: list[str]
+    canary: VariantWindow
+    stable: VariantWindow
+
+
+class TrafficStatus(BaseModel):
+    weights: dict[str, float] = Field(description="By variant, aborted ones at 0.")
+    aborted: list[str] = Field(description="Variants the analysis set to 0 (auto_abort).")
+    variants: dict[str, VariantWindow] = Field(description="Each variant's analysis window.")
+    verdict: CanaryVerdict | None = Field(description="The analysis' verdict; null: none set.")
+    analysis: dict[str, Any] | None = Field(description="The entry's analysis bounds.")
+
+
 class GatewayStatus(BaseModel):
     store: StoreStatus
     pools: list[PoolStatus]
     fallback: str | None = Field(description="The fallback's model, if one is configured.")
     faults: bool = Field(description="Whether POST /admin/faults is on (faults.enabled).")
     config: LiveConfigStatus
+    traffic: dict[str, TrafficStatus] = Field(
+        default_factory=dict,
+        description="Each models: entry, as this gateway replica served it (docs/traffic.md).",
+    )
+    shadow: dict[str, int] = Field(
+        default_factory=dict, description="Shadow copies by model/pool/status, this replica's."
+    )
 
 
 class BreakerReset(BaseModel):

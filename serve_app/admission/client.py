@@ -54,10 +54,16 @@ class Unconfigured(RuntimeError):
 
 
 class SchedulerClient(Protocol):
-    async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
-        """A slot for ``tenant`` (waiting in its queue up to the pool's deadline), or raise
-        ``scheduler.Shed``. ``ops`` are applied first (so a busy gateway pays one round trip
-        per request, not two)."""
+    async def acquire(
+        self,
+        tenant: str,
+        tier: str | None,
+        ops: Sequence[SlotOp] = (),
+        wait_s: float | None = None,
+    ) -> Lease:
+        """A slot for ``tenant`` (waiting in its queue up to the pool's deadline, or ``wait_s``
+        where that is shorter), or raise ``scheduler.Shed``. ``ops`` are applied first (so a
+        busy gateway pays one round trip per request, not two)."""
         ...
 
     async def sync(self, ops: Sequence[SlotOp]) -> SyncReply:
@@ -120,10 +126,17 @@ class LocalSchedulerClient:
         self.scheduler = scheduler
         self.deadline_s = deadline_s
 
-    async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
+    async def acquire(
+        self,
+        tenant: str,
+        tier: str | None,
+        ops: Sequence[SlotOp] = (),
+        wait_s: float | None = None,
+    ) -> Lease:
         # Ops first, so freed slots go to whoever waited longest, as a separate call would.
         apply_ops(self.scheduler, ops)
-        grant = await self.scheduler.acquire(tenant, tier=tier, deadline_s=self.deadline_s)
+        deadline_s = self.deadline_s if wait_s is None else min(wait_s, self.deadline_s)
+        grant = await self.scheduler.acquire(tenant, tier=tier, deadline_s=deadline_s)
         ttl_s = grant.expires_at - grant.granted_at
         return Lease(grant.lease_id, ttl_s, grant.waited or self.scheduler.contended)
 
@@ -170,8 +183,14 @@ class ServeSchedulerClient:
             await self.configure(*self._settings())
             return await getattr(self._handle, method).remote(*args)
 
-    async def acquire(self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()) -> Lease:
-        lease_id, ttl_s, contended = await self._call("acquire", tenant, tier, list(ops))
+    async def acquire(
+        self,
+        tenant: str,
+        tier: str | None,
+        ops: Sequence[SlotOp] = (),
+        wait_s: float | None = None,
+    ) -> Lease:
+        lease_id, ttl_s, contended = await self._call("acquire", tenant, tier, list(ops), wait_s)
         return Lease(lease_id, ttl_s, contended)
 
     async def sync(self, ops: Sequence[SlotOp]) -> SyncReply:

@@ -103,11 +103,15 @@ class SchedulerDeployment:
             await asyncio.sleep(_EXPORT_EVERY_S)
 
     async def acquire(
-        self, tenant: str, tier: str | None, ops: Sequence[SlotOp] = ()
+        self,
+        tenant: str,
+        tier: str | None,
+        ops: Sequence[SlotOp] = (),
+        wait_s: float | None = None,
     ) -> tuple[str, float, bool]:
         """A lease id, its TTL and whether the pool was contended, or ``scheduler.Shed``
         (raised through the handle)."""
-        lease = await self._ready().acquire(tenant, tier, ops)
+        lease = await self._ready().acquire(tenant, tier, ops, wait_s)
         return lease.lease_id, lease.ttl_s, lease.contended
 
     def sync(self, ops: list[SlotOp]) -> tuple[bool, tuple[str, ...]]:

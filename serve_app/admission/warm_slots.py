@@ -79,11 +79,12 @@ class WarmSlots:
         self._send_soon(("claim", lease_id, tenant, tier))
         return Lease(lease_id, self._ttl_s)
 
-    async def acquire(self, tenant: str, tier: str) -> Lease:
-        """A slot from the scheduler (maybe after a wait in the tenant's queue), or ``Shed``."""
+    async def acquire(self, tenant: str, tier: str, wait_s: float | None = None) -> Lease:
+        """A slot from the scheduler (maybe after a wait in the tenant's queue, ``wait_s`` at
+        most where given), or ``Shed``."""
         ops = self._take_ops()
         try:
-            lease = await self.client.acquire(tenant, tier, ops)
+            lease = await self.client.acquire(tenant, tier, ops, wait_s)
         except BaseException as exc:
             # Shed: the ops were applied first. Anything else may not have reached the
             # scheduler: send them again (claim, park and release are safe to repeat).

@@ -17,6 +17,7 @@ deployment's ``user_config`` in the Serve config file::
               admin: {key_hashes: [...]}
               admission: {primary: {max_inflight: 16}}
               resilience: {breaker: {cooldown_s: 10}}
+              models: [{name: chat, variants: [...]}]   # aliases, canaries, chains
 
 Each key replaces the args' value of the same name whole (``admission`` replaces the admission
 section of the pools it names). The merged configuration is validated by the same models as
@@ -47,6 +48,7 @@ from serve_app.config.models import (
     load_control_app_config,
     load_pool_app_config,
 )
+from serve_app.config.traffic import ModelPolicy
 
 
 class LiveConfig(_Strict):
@@ -56,6 +58,7 @@ class LiveConfig(_Strict):
     admin: AdminConfig | None = None
     admission: dict[str, AdmissionConfig] | None = None  # pool name → its admission section
     resilience: ResilienceConfig | None = None
+    models: list[ModelPolicy] | None = None  # replaces the args' list whole
 
 
 LIVE_KEYS = tuple(LiveConfig.model_fields)
@@ -85,7 +88,7 @@ def apply_live(base: ForgeConfig, user_config: Mapping[str, Any] | None) -> Forg
         raise _config_error("invalid live config (the gateway's user_config)", exc) from None
     # What the args gave (a pool that runs in its own application lists no engine here).
     data, given = base.model_dump(exclude_unset=True), live.model_dump(exclude_unset=True)
-    for key in ("tenants", "admin", "resilience"):
+    for key in ("tenants", "admin", "resilience", "models"):
         if key in given:
             data[key] = given[key]
     problems = []
@@ -117,6 +120,7 @@ def live_digest(config: ForgeConfig) -> str:
         config.admin.model_dump(),
         {p.name: p.admission.model_dump() for p in config.pools if p.admission is not None},
         config.resilience.model_dump(),
+        [m.model_dump() for m in config.models],
     )
 
 
@@ -172,6 +176,12 @@ def serve_config_forge(serve_config: Mapping[str, Any], app: str = "forge") -> F
         except ConfigError as err:
             problems.append(f"{where}: {err}")
             continue
+        window, engine_len = pool.context_window, theirs.engine.max_model_len
+        if window is not None and engine_len is not None and window > engine_len:
+            problems.append(
+                f"  pools.{i}.context_window: {window} is more than application {pool.app!r}'s "
+                f"engine.max_model_len ({engine_len})"
+            )
         for field in POOL_SHARED_FIELDS:
             if getattr(theirs, field) != getattr(pool, field):
                 problems.append(

@@ -15,12 +15,13 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     model_validator,
 )
 
+from serve_app.config.base import NAME, Strict
+from serve_app.config.traffic import ModelPolicy
 from serve_app.kvcache.curve import curve_available
 from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES
 from serve_app.routing.registry import KV_EVENT_POLICIES, POLICY_NAMES, build_policy
@@ -45,11 +46,8 @@ def _key_hashes(hashes: list[str]) -> list[str]:
 # API keys as stored: SHA-256 digests only (tenants' and operators').
 KeyHashes = Annotated[list[str], AfterValidator(_key_hashes)]
 
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_NAME = NAME
+_Strict = Strict
 
 
 class TenantLimits(_Strict):
@@ -84,6 +82,9 @@ class TenantConfig(_Strict):
     # replica's share of its limits (1 / the gateway replicas), in that replica's memory;
     # "open" serves it unmetered; "closed" refuses its requests (503) until the store is back.
     on_store_failure: Literal["local", "open", "closed"] = "local"
+    # The models this tenant may call (pools' models and ``models:`` entries); any other is a
+    # 404 to it, as if it did not exist, and /v1/models lists only these. None: every one.
+    models: list[Annotated[str, Field(min_length=1)]] | None = None
 
 
 class SimulatedEngineConfig(_Strict):
@@ -313,6 +314,10 @@ class PoolConfig(_Strict):
     idle_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     # Total deadline of a request, streaming or not: long enough for the longest healthy answer.
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # The longest prompt plus completion the pool's engine takes (its max_model_len), in
+    # tokens: a longer request is routed down a model's chain to a pool that takes it
+    # (``context_length``), or refused with a 400 when none is left. None: not checked here.
+    context_window: Annotated[int, Field(gt=0)] | None = None
     # Whether requests for this pool's model may be served by the fallback backend. Never for
     # an embedding pool: another model's vectors live in another space, so an index built from
     # this pool's would silently stop matching.
@@ -354,6 +359,13 @@ class PoolConfig(_Strict):
                 )
             data = {**data, "fallback": False}
         return data
+
+    def context_limit(self) -> int | None:
+        """The context window the gateway routes by: the one written here, else (a pool in the
+        gateway's own application) its engine's max_model_len."""
+        if self.context_window is not None or self.app is not None:
+            return self.context_window
+        return self.engine.max_model_len
 
     def engine_identity(self) -> str:
         """What the pool's answers depend on besides the request: the weights and their
@@ -662,6 +674,31 @@ class ForgeConfig(_Strict):
     # one: a change to this application's args then replaces the gateways alone, and the slot
     # budgets, queues and open breakers outlive it. The gateways send it their settings.
     control_app: Annotated[str, Field(pattern=_NAME)] | None = None
+    # Public model names over the pools: aliases, weighted canaries, fallback chains, shadow
+    # traffic (``config/traffic.py``). Live: ``user_config.models`` replaces the list.
+    models: list[ModelPolicy] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _traffic(self) -> ForgeConfig:
+        """Every name a model entry or a tenant's allow-list uses exists, chains do not come
+        back on themselves; each problem with its field's path."""
+        pools = {p.name: p.task for p in self.pools}
+        public = {p.model for p in self.pools}
+        if self.fallback is not None:
+            public.add(self.fallback.model)
+        problems = []
+        for i, policy in enumerate(self.models):
+            problems += policy.route_problems(
+                f"models.{i}", pools, self.fallback is not None, public
+            )
+            public.add(policy.name)
+        for i, tenant in enumerate(self.tenants):
+            unknown = sorted(set(tenant.models or ()) - public)
+            if unknown:
+                problems.append(f"tenants.{i}.models: no model is named {unknown}")
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _unique(self) -> ForgeConfig:

@@ -36,7 +36,8 @@ from serve_app.pipeline import RequestContext
 from serve_app.resilience.breaker import State
 from serve_app.resilience.health import HealthWatch
 from serve_app.resilience.settings import breaker_client_options
-from serve_app.stack import Collaborators, Pipeline, build_lasting, build_pipeline, model_routes
+from serve_app.stack import Collaborators, Pipeline, build_lasting, build_pipeline
+from serve_app.traffic.policy import TrafficPolicy
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,8 +64,8 @@ class Gateway:
         self.keyring = parts.keyring
         self.metrics = parts.metrics
         self.schedulers = dict(parts.schedulers)
-        self._routes = model_routes(config, self.backends)
-        self.models = list(self._routes)
+        # Every name served: pools' models, the fallback's, models: entries (for /v1/models).
+        self.models = TrafficPolicy(config).names
         self._parts = parts
         self._app: Starlette | None = None
         self.lasting = build_lasting(config, parts)  # kept across live changes
@@ -80,9 +81,7 @@ class Gateway:
         )
 
     def _build_pipeline(self, config: ForgeConfig, parts: Collaborators) -> Pipeline:
-        return build_pipeline(
-            config, parts, self.lasting, routes=self._routes, list_models=self._list_models
-        )
+        return build_pipeline(config, parts, self.lasting, list_models=self._list_models)
 
     @property
     def ledger(self) -> UsageLedger:
@@ -119,9 +118,11 @@ class Gateway:
         parts = replace(self._parts, keyring=keyring)
         pipeline = self._build_pipeline(config, parts)
         admin = self._admin_api(config, keyring) if self._app is not None else None
+        models = TrafficPolicy(config).names
         # The swap: no await from here to the end.
         self.lasting.retune(config)
         self.config, self.keyring, self._parts, self.pipeline = config, keyring, parts, pipeline
+        self.models = models
         if self._app is not None:
             self._app.router.default = admin
         self.breakers.configure(**breaker_client_options(config.resilience))
@@ -142,6 +143,7 @@ class Gateway:
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
+        await self.lasting.shadows.aclose()
         await self.lasting.settles.aclose()  # what tenants are owed lands before the store goes
         await self.lasting.ledger.aclose()  # and the usage queued reaches the ledger
         if self.fallback_health is not None:
@@ -284,6 +286,9 @@ class Gateway:
             "faults": self.config.faults.enabled,  # POST /admin/faults on (drills) or off
             # The live configuration this replica serves, and the last change it refused.
             "config": self.live.status,
+            # Each models: entry's variants: weights, windows, the analysis' verdict.
+            "traffic": self.lasting.watch.status(),
+            "shadow": dict(self.lasting.shadows.counts),  # "model/pool/status" → copies
         }
 
     async def healthz(self, request: Request) -> Response:
@@ -313,7 +318,10 @@ class Gateway:
         return await self.backends[name].ready()
 
     async def _list_models(self, ctx: RequestContext) -> Response:
+        allowed = ctx.tenant.models if ctx.tenant is not None else None
         data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "forge"} for m in self.models
+            {"id": m, "object": "model", "created": 0, "owned_by": "forge"}
+            for m in self.models
+            if allowed is None or m in allowed
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)

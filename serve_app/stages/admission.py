@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 from starlette.responses import Response
 
@@ -25,6 +26,7 @@ from serve_app.admission.scheduler import Shed
 from serve_app.admission.warm_slots import WarmSlots
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import MAX_REQUEST_LIFE_S, Handler, RequestContext, on_response_end
+from serve_app.traffic.policy import Target
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,17 +52,26 @@ class AdmissionStage:
         self._last_warning = 0.0
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
-        slots = self.slots.get(ctx.parsed.model)
-        if slots is None:
-            return await call_next(ctx)
         tenant = ctx.tenant.name
         tier = self._tier(ctx)
-        lease = slots.take_parked(tenant, tier) or await self._acquire(slots, ctx, tier)
+        while True:
+            slots = self.slots.get(ctx.pool_model)
+            if slots is None:
+                return await call_next(ctx)
+            spill = _spills_to(ctx.target)
+            try:
+                lease = slots.take_parked(tenant, tier) or await self._acquire(
+                    slots, ctx, tier, None if spill is None else ctx.target.overload_wait_s
+                )
+            except Overloaded as overloaded:
+                self._spilled(ctx, spill, overloaded.reason)
+                continue
+            break
         if lease is None:  # the scheduler could not be asked: admitted without a slot
             return await call_next(ctx)
 
         self.metrics.admitted.inc(tags={"tenant": tenant})
-        life = self.lifetimes.get(ctx.parsed.model, MAX_REQUEST_LIFE_S)
+        life = self.lifetimes.get(ctx.pool_model, MAX_REQUEST_LIFE_S)
         renewer = _KeepAlive(slots, lease, (tenant, tier), life)
         released = False
 
@@ -79,13 +90,19 @@ class AdmissionStage:
             raise
         return on_response_end(response, release)
 
-    async def _acquire(self, slots: WarmSlots, ctx: RequestContext, tier: str) -> Lease | None:
+    async def _acquire(
+        self, slots: WarmSlots, ctx: RequestContext, tier: str, spill_after_s: float | None
+    ) -> Lease | None:
+        """A slot, None (fail open), a 429, or ``Overloaded`` where the model's chain takes the
+        request on past ``spill_after_s`` of waiting."""
         tenant = ctx.tenant.name
-        wait_limit = self.deadlines[ctx.parsed.model] + 5.0
+        wait_limit = self.deadlines[ctx.pool_model] + 5.0
         try:
             # wait_for, not asyncio.timeout: around a handle's await the latter did not fire here.
-            return await asyncio.wait_for(slots.acquire(tenant, tier), wait_limit)
+            return await asyncio.wait_for(slots.acquire(tenant, tier, spill_after_s), wait_limit)
         except Shed as shed:
+            if spill_after_s is not None:
+                raise Overloaded(shed.reason) from None
             self.metrics.shed.inc(tags={"tenant": tenant, "reason": shed.reason})
             retry = max(1, math.ceil(shed.retry_after_s))
             raise errors.rate_limited(
@@ -103,6 +120,18 @@ class AdmissionStage:
         for slots in self.slots.values():
             await slots.aclose()
 
+    def _spilled(self, ctx: RequestContext, to: int, reason: str) -> None:
+        target = ctx.target
+        self.metrics.spills.inc(
+            tags={
+                "model": target.model,
+                "source": target.steps[target.start].backend,
+                "to": target.steps[to].backend,
+                "reason": "overload",
+            }
+        )
+        ctx.target = replace(target, start=to)
+
     def _tier(self, ctx: RequestContext) -> str:
         tenant = ctx.tenant
         asked = ctx.request.headers.get(PRIORITY_HEADER)
@@ -116,6 +145,26 @@ class AdmissionStage:
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
             logger.warning("scheduler unavailable (%r); admitting without a slot", exc)
+
+
+class Overloaded(Exception):
+    """The pool had no slot within the model's ``overload_wait_s``: its chain takes it on."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _spills_to(target: Target | None) -> int | None:
+    """The step a request goes on to when its pool is overloaded, if its model's chain has one
+    (a pool's own name waits in the pool's queue, as it always has)."""
+    if target is None or target.variant is None:
+        return None
+    for i in range(target.start + 1, len(target.steps)):
+        step = target.steps[i]
+        if "overload" in step.on and step.backend not in target.excluded:
+            return i
+    return None
 
 
 class _KeepAlive:

@@ -80,7 +80,7 @@ class CacheStage:
         self._store_failed = StoreFailures(metrics, "serving uncached")
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
-        model = ctx.parsed.model
+        model = ctx.pool_model  # the variant's pool: its answers are its own
         pool = self.pools.get(model)
         reason = (
             bypass_reason(ctx.body, ctx.request.headers.get("cache-control"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import get_args
 
@@ -38,6 +38,8 @@ from serve_app.resilience.client import BreakerClient
 from serve_app.resilience.outcomes import classify, retryable
 from serve_app.resilience.retry_budget import RetryBudget
 from serve_app.stages.relay import STREAM_HEADERS, ClosedOnce, relay, take_frames
+from serve_app.traffic.policy import ALL_CONDITIONS as _ALL
+from serve_app.traffic.shadow import Shadows
 
 _MAX_ATTEMPTS = 2  # the first try and at most one retry
 
@@ -93,29 +95,50 @@ class Dispatch:
         breakers: BreakerClient | None = None,
         retry_budget: RetryBudget | None = None,
         metrics: ForgeMetrics | None = None,
+        conditions: Mapping[str, Sequence[frozenset[str]]] | None = None,
+        served: Mapping[str, str] | None = None,
+        shadows: Shadows | None = None,
     ) -> None:
-        # model name → backends in order of preference (primary pool, then fallback)
+        """``routes``: route → backends in order of preference (a pool, then the fallback; a
+        model's chain, ``traffic/policy.py``); ``conditions``: route → what takes each backend
+        after the one before it (absent: anything does); ``served``: pool name → its model,
+        what usage is recorded under when a pool answers a name that is not its model's."""
         self.routes = routes
-        # (model, kind) → those of them that serve the kind (an upstream without
-        # /v1/completions), once here rather than on every request.
+        conditions = conditions or {}
+        # (route, kind) → those of them that serve the kind (an upstream without
+        # /v1/completions), with their conditions, once here rather than on every request.
         self._serving = {
-            (model, kind): [b for b in backends if kind in b.kinds]
-            for model, backends in routes.items()
+            (route, kind): [
+                (b, on)
+                for b, on in zip(backends, conditions.get(route) or _all(backends), strict=True)
+                if kind in b.kinds
+            ]
+            for route, backends in routes.items()
             for kind in get_args(Kind)
         }
+        self.served = dict(served or {})
+        self.shadows = shadows
         self.breakers = breakers
         self.budget = retry_budget
         self.metrics = metrics
 
     async def __call__(self, ctx: RequestContext) -> Response:
-        if not self.routes.get(ctx.parsed.model):
+        target = ctx.target
+        route = target.route if target is not None else ctx.parsed.model
+        if not self.routes.get(route):
             raise errors.model_not_found(ctx.parsed.model)
-        candidates = self._serving.get((ctx.parsed.model, ctx.route))
-        if not candidates:  # the fallback's own model, on a route its upstream lacks
+        steps = self._serving.get((route, ctx.route))
+        if steps and target is not None and target.start:
+            first = target.steps[target.start].backend  # where admission spilled it
+            steps = steps[next((i for i, (b, _) in enumerate(steps) if b.name == first), 0) :]
+        if not steps:  # the fallback's own model, on a route its upstream lacks
             raise errors.unsupported_route(ctx.parsed.model, ctx.route)
+        candidates = [b for b, _ in steps]
+        if target is not None and target.shadow is not None and self.shadows is not None:
+            self.shadows.mirror(target.model, target.shadow.pool, ctx.body, ctx.route)
         if self.budget is not None:
             self.budget.on_request(time.monotonic())
-        plan = _Plan(self, ctx, candidates)
+        plan = _Plan(self, ctx, steps)
         failure: errors.ForgeError | None = None
         probed = False  # the failed attempt was a half-open probe
         while (attempt := await plan.next(failure, probed)) is not None:
@@ -125,6 +148,8 @@ class Dispatch:
                 err = ctx.own_timeout(failed)
                 attempt.settle(ctx, classify(err))
                 _event("forge.attempt_failed", backend=attempt.backend.name, status=err.status)
+                if ctx.first_failure is None:
+                    ctx.first_failure = attempt.backend.name
                 if err is not failed:
                     raise err from None  # the client's own deadline: final, nobody's fault
                 if not retryable(err):
@@ -207,7 +232,7 @@ class Dispatch:
         _release_pool_slot_on_failover(ctx, backend, candidates)
         response = result["response"]
         ctx.backend, ctx.usage, ctx.completion = backend.name, response.get("usage"), response
-        ctx.served_model = backend.served_model
+        ctx.served_model = backend.served_model or self.served.get(backend.name)
         ctx.replica = result["replica"] or ctx.replica
         ctx.first_byte_at = time.perf_counter()
         return Response(
@@ -230,7 +255,8 @@ class Dispatch:
         except BaseException:
             await stream.aclose()
             raise
-        ctx.backend, ctx.served_model = backend.name, backend.served_model
+        ctx.backend = backend.name
+        ctx.served_model = backend.served_model or self.served.get(backend.name)
         attempt.answering(ctx)
         _release_pool_slot_on_failover(ctx, backend, candidates)
         head = take_frames(ctx, first)
@@ -258,22 +284,36 @@ class _Plan:
     error (the failover drill saw a 502 at the first probe, 5 s into the outage).
     """
 
-    def __init__(self, dispatch: Dispatch, ctx: RequestContext, candidates: Sequence[Backend]):
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        ctx: RequestContext,
+        steps: Sequence[tuple[Backend, frozenset[str]]],
+    ):
         self.dispatch = dispatch
         self.ctx = ctx
-        self.backends = iter(_with_retry(candidates))
+        self.steps = iter(_with_retry(steps))
         self.made = 0
 
     async def next(self, failure: errors.ForgeError | None, probed: bool = False) -> Attempt | None:
         dispatch, ctx = self.dispatch, self.ctx
-        for backend in self.backends:
+        # Why the request moves on from the step before: what the next step must be taken on.
+        reason = None if failure is None else _failure_condition(failure)
+        too_small = ctx.target.excluded if ctx.target is not None else ()
+        for backend, on in self.steps:
             if self.made == _MAX_ATTEMPTS:
                 return None
+            if reason is not None and reason not in on:
+                continue  # this step is not taken on that
+            if backend.name in too_small:
+                continue  # its context window does not take this request
             if self.made and not _another_chance(backend, ctx):
                 continue
             admit = await dispatch.admit(backend)
             if admit is Admit.DENY:
                 _event("forge.skipped", backend=backend.name)
+                reason = reason or "breaker_open"
+                ctx.first_failure = ctx.first_failure or backend.name
                 continue
             if failure is not None and not dispatch.spend_retry(backend, free=probed):
                 if admit is Admit.PROBE and dispatch.breakers is not None:
@@ -304,10 +344,21 @@ async def _charge_abandoned(ctx: RequestContext, backend: Backend) -> None:
         ctx.usage = await asyncio.shield(backend.pool.abandoned_usage(ctx.key, ctx.replica))
 
 
-def _with_retry(candidates: Sequence[Backend]) -> list[Backend]:
+def _with_retry(
+    steps: Sequence[tuple[Backend, frozenset[str]]],
+) -> list[tuple[Backend, frozenset[str]]]:
     """Where a retry may go: the next backend; with just one, that backend again (for a pool,
     another replica: the router avoids the one that failed)."""
-    return list(candidates) if len(candidates) > 1 else [candidates[0], candidates[0]]
+    return list(steps) if len(steps) > 1 else [steps[0], (steps[0][0], _ALL)]
+
+
+def _all(backends: Sequence[Backend]) -> list[frozenset[str]]:
+    return [_ALL] * len(backends)
+
+
+def _failure_condition(err: errors.ForgeError) -> str:
+    """A chain step's condition for a failure before the first byte."""
+    return "first_token_timeout" if err.code == "upstream_timeout" else "error"
 
 
 def _another_chance(backend: Backend, ctx: RequestContext) -> bool:

@@ -14,6 +14,8 @@ from serve_app import errors, protocol
 from serve_app.config.models import GatewayConfig
 from serve_app.dialects.base import Dialect
 from serve_app.pipeline import Handler, RequestContext
+from serve_app.protocol import count_prompt_tokens
+from serve_app.traffic.policy import VARIANT_HEADER, TrafficPolicy, place
 
 _MODELS = {
     "chat": protocol.ChatCompletionRequest,
@@ -28,13 +30,14 @@ class ParseStage:
     def __init__(
         self,
         limits: GatewayConfig,
-        tasks: Mapping[str, str] | None = None,
+        policy: TrafficPolicy | None = None,
         dialects: Mapping[str, Dialect] | None = None,
     ) -> None:
         self.max_body_bytes = limits.max_body_bytes
         self.max_messages = limits.max_messages
         self.body_timeout_s = limits.body_timeout_s
-        self.tasks = dict(tasks or {})  # served model → "generate" or "embed"
+        self.policy = policy  # served names, what each does, and where each leads
+        self.tasks = policy.tasks if policy is not None else {}  # name → "generate" or "embed"
         self.dialects = dict(dialects or {})  # name → the API it translates to chat
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
@@ -58,12 +61,30 @@ class ParseStage:
                 param="messages",
                 code="too_many_messages",
             )
-        task = self.tasks.get(ctx.parsed.model)  # unknown models are dispatch's 404
+        model = ctx.parsed.model
+        task = self.tasks.get(model)  # unknown models are dispatch's 404
+        allowed = ctx.tenant.models if ctx.tenant is not None else None
+        if task is not None and allowed is not None and model not in allowed:
+            raise errors.model_not_found(model)  # told as if it did not exist
         ctx.model_served = task is not None
         if task is not None and (task == "embed") != (ctx.route == "embedding"):
-            raise errors.wrong_route(ctx.parsed.model, embeddings=ctx.route == "embedding")
+            raise errors.wrong_route(model, embeddings=ctx.route == "embedding")
         ctx.client_timeout_s = _client_timeout(ctx)
-        return await call_next(ctx)
+        if task is None or self.policy is None:
+            return await call_next(ctx)
+        target = self.policy.resolve(model, ctx.tenant_name, ctx.body, ctx.request.headers)
+        if target.variant is None:  # a pool's own name: where it always went
+            ctx.target = target
+            return await call_next(ctx)
+        try:
+            prompt = ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
+            ctx.target = place(target, prompt, ctx.parsed.output_limit())
+            response = await call_next(ctx)
+        except errors.ForgeError as err:  # the variant's own errors say which it was
+            err.headers[VARIANT_HEADER] = target.variant
+            raise
+        response.headers[VARIANT_HEADER] = target.variant
+        return response
 
     async def _read(self, ctx: RequestContext) -> bytes:
         limit = self.max_body_bytes

@@ -70,10 +70,12 @@ class QuotaStage:
         quota = self.quotas[ctx.tenant.name]
         if quota.unlimited:
             return await call_next(ctx)
-        prompt_tokens = ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
+        if ctx.prompt_estimate is None:  # parse counted it where a model's route needed it
+            ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
+        prompt_tokens = ctx.prompt_estimate
         max_tokens = ctx.parsed.output_limit()
         if max_tokens is None:
-            max_tokens = self.default_max_tokens.get(ctx.parsed.model, 256)
+            max_tokens = self.default_max_tokens.get(ctx.pool_model, 256)
         reserved = prompt_tokens + max_tokens
         quota.check_fits(reserved, prompt_tokens, max_tokens)
 
@@ -101,7 +103,7 @@ class QuotaStage:
         settled = False
         renewer = None
         if held.lease is not None:
-            life = self.lifetimes.get(ctx.parsed.model, MAX_REQUEST_LIFE_S)
+            life = self.lifetimes.get(ctx.pool_model, MAX_REQUEST_LIFE_S)
             renewer = asyncio.create_task(self._keep_lease(held, life))
 
         def settle(completed: bool) -> None:

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from serve_app import errors
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, final_status, on_response_end
+from serve_app.traffic.watch import TrafficWatch
 
 logger = logging.getLogger("ray.serve")
 # A child of Serve's logger: lands in the replica's log file, tagged with the request id.
@@ -22,8 +23,9 @@ access_log = logging.getLogger("ray.serve.forge.access")
 
 
 class TelemetryStage:
-    def __init__(self, metrics: ForgeMetrics) -> None:
+    def __init__(self, metrics: ForgeMetrics, watch: TrafficWatch | None = None) -> None:
         self.metrics = metrics
+        self.watch = watch  # per-variant windows of models: entries (``traffic/watch.py``)
 
     async def __call__(self, ctx: RequestContext, call_next: Handler) -> Response:
         try:
@@ -53,6 +55,8 @@ class TelemetryStage:
             duration_s=duration,
             usage=ctx.usage,
         )
+        if ctx.target is not None and ctx.target.variant is not None:
+            self._record_variant(ctx, status, ttft, duration)
         if access_log.isEnabledFor(logging.INFO):
             usage = ctx.usage or {}
             access_log.info(
@@ -72,6 +76,34 @@ class TelemetryStage:
                         "prompt_tokens": usage.get("prompt_tokens"),
                         "completion_tokens": usage.get("completion_tokens"),
                         "error": ctx.stream_error,
+                        "variant": ctx.target.variant if ctx.target is not None else None,
                     }
                 ).decode()
             )
+
+    def _record_variant(
+        self, ctx: RequestContext, status: int, ttft: float | None, duration: float
+    ) -> None:
+        """A models: entry's request, under its variant: failed if it was a 5xx or the
+        variant's own pool failed it before another step served it; timed only when that
+        pool answered (a spill's or a cache hit's timing is not the variant's)."""
+        target = ctx.target
+        own = target.steps[0].backend
+        failed = status >= 500 or ctx.first_failure == own
+        answered = ctx.backend == own and not failed
+        completion = (ctx.usage or {}).get("completion_tokens") or 0
+        tpot = None
+        if answered and ttft is not None and ctx.parsed.stream and completion > 1:
+            tpot = (duration - ttft) / (completion - 1)
+        model, variant = target.model, target.variant
+        self.metrics.variant_requests.inc(
+            tags={"model": model, "variant": variant, "backend": ctx.backend, "status": str(status)}
+        )
+        if answered and ttft is not None:
+            self.metrics.variant_ttft.observe(ttft, tags={"model": model, "variant": variant})
+        if tpot is not None:
+            self.metrics.variant_tpot.observe(tpot, tags={"model": model, "variant": variant})
+        # A 4xx (the request's or the tenant's doing) or a client that left says nothing of it.
+        if self.watch is not None and (failed or status < 400):
+            ttft_s = ttft if answered else None
+            self.watch.observe(model, variant, failed=failed, ttft_s=ttft_s, tpot_s=tpot)

@@ -34,12 +34,12 @@ class RecordingScheduler(LocalSchedulerClient):
         self.synced: list[list] = []
         self.fail: BaseException | None = None
 
-    async def acquire(self, tenant, tier, ops=()) -> Lease:
+    async def acquire(self, tenant, tier, ops=(), wait_s=None) -> Lease:
         self.acquired.append((tenant, tier, list(ops)))
         if self.fail is not None:
             exc, self.fail = self.fail, None
             raise exc
-        lease = await super().acquire(tenant, tier, ops)
+        lease = await super().acquire(tenant, tier, ops, wait_s)
         self.granted.append(lease.lease_id)
         return lease
 
