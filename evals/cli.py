@@ -4,10 +4,12 @@
         [--flood-key KEY] [--quota-key KEY] [--redis-url URL] [--profile FILE] [--json FILE]
         [--only SUBSTRING ...] [--model M] [--pool P]
     python -m evals calibrate --base-url ... --key KEY [--profile FILE] [--write]
+    python -m evals canary --model ENTRY --key KEY --admin-key KEY [--profile FILE]
 
 Keys may come from the environment instead (FORGE_EVAL_KEY, FORGE_EVAL_ADMIN_KEY,
 FORGE_EVAL_FLOOD_KEY, FORGE_EVAL_QUOTA_KEY, FORGE_EVAL_REDIS_URL), so they stay out of argv.
-Exit code: 0 when the gate passes, 1 when it fails, 2 on bad usage.
+Exit code: 0 when the gate passes, 1 when it fails, 2 on bad usage; ``canary``: 0 promote,
+1 abort, 3 hold (``evals/canary.py``).
 """
 
 from __future__ import annotations
@@ -19,20 +21,22 @@ import shlex
 import sys
 from pathlib import Path
 
-from evals import drills, gate, prompts, protocol, slo
+from evals import canary, drills, gate, prompts, protocol, slo
 from evals.profile import DEFAULT_PROFILE, Profile
 from evals.target import Target
 
 
 def all_checks() -> list[gate.Check]:
     """In order: cheap and read-only first, drills next, the SLO run last (on a quiet system)."""
-    return protocol.checks() + prompts.checks() + drills.checks() + slo.checks()
+    return protocol.checks() + prompts.checks() + drills.checks() + canary.checks() + slo.checks()
 
 
 def _parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m evals", description=__doc__.split("\n")[0])
-    p.add_argument("command", nargs="?", choices=["gate", "calibrate", "list"], default="gate")
+    p.add_argument(
+        "command", nargs="?", choices=["gate", "calibrate", "canary", "list"], default="gate"
+    )
     p.add_argument("--base-url", default=env("FORGE_BASE_URL", "http://127.0.0.1:8000"))
     p.add_argument("--key", default=env("FORGE_EVAL_KEY"), help="the gate's tenant key")
     p.add_argument("--admin-key", default=env("FORGE_EVAL_ADMIN_KEY"))
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "calibrate":
         return asyncio.run(_calibrate(target, args.profile, args.write))
+    if args.command == "canary":
+        return asyncio.run(_canary(target, args.model))
     return asyncio.run(_gate(target, checks, args.json))
 
 
@@ -91,6 +97,19 @@ async def _calibrate(target: Target, profile: Path, write: bool) -> int:
     await target.discover()
     command = "python -m evals calibrate --profile " + shlex.quote(str(profile)) + " --write"
     return await slo.calibrate(target, profile, write=write, command=command)
+
+
+async def _canary(target: Target, model: str | None) -> int:
+    if not model:
+        print("error: canary needs --model (a models: entry with an analysis)", file=sys.stderr)
+        return 2
+    try:
+        decision, lines = await canary.analyse(target, model, target.profile)
+    except (gate.Skipped, gate.Failed) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return canary.EXIT[decision]
 
 
 async def _gate(target: Target, checks: list[gate.Check], json_path: Path | None) -> int:

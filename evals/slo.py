@@ -27,20 +27,25 @@ _LABELS = {
 }
 
 
-async def measure(target: Target, profile: Profile) -> tuple[dict, list[traffic.Result]]:
-    point = profile.operating_point
-    streams = [
+def operating_streams(profile: Profile, key: str, model: str | None) -> list[traffic.Stream]:
+    """The profile's operating point as the load generator's streams, at ``model``."""
+    return [
         traffic.Stream(
             name=s.name,
-            key=target.key,
+            key=key,
             rate=s.rate,
             prompt_tokens=s.prompt_tokens,
             max_tokens=s.max_tokens,
-            model=target.model,
+            model=model,
             headers={"cache-control": "no-store"},  # the engine's latency, not the cache's
         )
-        for s in point.streams
+        for s in profile.operating_point.streams
     ]
+
+
+async def measure(target: Target, profile: Profile) -> tuple[dict, list[traffic.Result]]:
+    point = profile.operating_point
+    streams = operating_streams(profile, target.key, target.model)
     results = await traffic.run(target.base_url, streams, point.duration_s, seed=7)
     judged = [r for r in results if r.start >= point.warmup_s]
     stats = traffic.summarize(judged)
