@@ -576,6 +576,14 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         note="was .ci/run step 3b, unchanged",
         serves_8000=True,
     ),
+    "python -m loadtest.traffic_policy": quick(
+        "{python} -m loadtest.traffic_policy --requests 2000 --check"
+        " --out {tmp}/traffic-policy.json --png {tmp}/traffic-policy.png",
+        timeout=600,
+        note="its own serve run of a changed copy of configs/local.yaml (three more pools); "
+        "2,000 split requests, not the table's 10,000 (the ±2 % bound holds at both)",
+        serves_8000=True,
+    ),
     "python -m loadtest.slow_readers": quick(
         "{python} -m loadtest.slow_readers --quick --out {tmp}/slow-readers.json",
         timeout=420,
