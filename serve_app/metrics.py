@@ -96,7 +96,7 @@ class ForgeMetrics:
         )
         self.spills = counter(
             "forge_spills_total",
-            "Requests a model's chain sent on from a pool before trying it (overload).",
+            "Requests a model's chain sent on from a pool with no slot for them (its shed reason).",
             *("model", "source", "to", "reason"),
         )
         self.shadow_requests = counter(

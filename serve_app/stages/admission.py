@@ -127,7 +127,7 @@ class AdmissionStage:
                 "model": target.model,
                 "source": target.steps[target.start].backend,
                 "to": target.steps[to].backend,
-                "reason": "overload",
+                "reason": reason,  # the scheduler's: deadline (no slot in time), queue_full, ...
             }
         )
         ctx.target = replace(target, start=to)

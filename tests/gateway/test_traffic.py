@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from serve_app.auth.keys import hash_key
-from serve_app.config.live import apply_live
 from serve_app.config.models import load_config
 from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
@@ -127,23 +126,20 @@ async def test_each_variant_is_answered_by_its_own_pool(gateway):
     assert seen["stable"] and seen["canary"]
 
 
-async def test_a_live_weight_change_applies_to_the_next_request_with_no_replica_replaced(gateway):
-    replicas = {name: set(b.replicas.values()) for name, b in gateway.backends.items() if b.pool}
+async def test_a_live_weight_change_applies_to_the_next_request(gateway):
+    """Through ``reconfigure``, what Serve calls with a changed user_config (that it replaces
+    no replica under Serve: the drill, ``loadtest/traffic_policy.py``)."""
     promoted = {
         **SPLIT,
         "variants": [
             {**v, "weight": 100.0 if v["name"] == "canary" else 0.0} for v in SPLIT["variants"]
         ],
     }
-    tenants = forge_args()["tenants"]
-    gateway.apply(apply_live(gateway.config, {"tenants": tenants, "models": [promoted, CHAINED]}))
+    await gateway.reconfigure({"tenants": forge_args()["tenants"], "models": [promoted, CHAINED]})
     async with client(gateway) as alpha:
         for i in range(10):
             raw = await alpha.chat.completions.with_raw_response.create(**ask("chat", f"q{i}"))
             assert raw.headers["x-forge-variant"] == "canary"
-    assert replicas == {
-        name: set(b.replicas.values()) for name, b in gateway.backends.items() if b.pool
-    }
 
 
 async def test_the_chain_routes_around_an_open_breaker_to_the_smaller_pool(gateway):
@@ -163,10 +159,13 @@ async def test_a_failing_pool_goes_to_the_step_taken_on_errors_not_to_the_one_th
     assert raw.headers["x-forge-backend"] == "fallback"
 
 
-async def test_an_overloaded_pool_spills_to_the_next_step_at_once(gateway):
-    slots = gateway.lasting.slots["primary"]
-    held = await slots.acquire("alpha", "interactive")  # the pool's only slot, held elsewhere
-    async with client(gateway) as alpha:
+async def test_an_overloaded_pool_spills_to_the_next_step_at_once(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    metrics = RecordingMetrics()
+    gateway = await started(forge_args(), metrics)
+    async with gateway.lifespan(), client(gateway) as alpha:
+        slots = gateway.lasting.slots["primary"]
+        held = await slots.acquire("alpha", "interactive")  # the pool's only slot, held
         raw = await alpha.chat.completions.with_raw_response.create(**ask("chained"))
         assert raw.headers["x-forge-backend"] == "small"
         # The pool's own name has no chain: it waits for the slot as ever, and is not spilled.
@@ -177,7 +176,9 @@ async def test_an_overloaded_pool_spills_to_the_next_step_at_once(gateway):
         assert not plain.done()
         slots.release(held.lease_id)
         assert (await plain).headers["x-forge-backend"] == "primary"
-    assert gateway.metrics.spills  # counted (a real ForgeMetrics: exported, not read here)
+    assert metrics.spills.calls == [
+        {"model": "chained", "source": "primary", "to": "small", "reason": "deadline"}
+    ]
 
 
 @pytest.fixture
