@@ -30,7 +30,7 @@ from serve_app.protocol import count_prompt_tokens
 from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.stages.settles import Settles
 from serve_app.stages.store_failures import StoreFailures
-from serve_app.store import MemoryStore, Store, StoreError
+from serve_app.store import MemoryStore, Store, StoreError, StoreSkipped
 
 # A lease outlives its request by this much if the gateway dies; live streams renew it.
 LEASE_TTL_S = 60.0
@@ -88,8 +88,8 @@ class QuotaStage:
             await self._reserve(held, reserved, headers)
         except StoreError as exc:
             self._store_failed("reserve", exc)
-            if held.asking:  # the store may have granted it before failing to answer
-                self._release(held)
+            if held.asking and not isinstance(exc, StoreSkipped):
+                self._release(held)  # the store may have granted it before failing to answer
             held = await self._on_store_failure(ctx, held, reserved, settle_id, headers)
         except BaseException:
             # Refused a lease, or cut short (the client left, the request was cancelled):
@@ -124,10 +124,26 @@ class QuotaStage:
         return on_response_end(response, settle)
 
     async def _reserve(self, held: _Held, reserved: int, headers: dict[str, str]) -> None:
-        """Take the request and its tokens, then a stream lease, from ``held.store``; a 429
-        for what the tenant's budget cannot give."""
+        """Take the request and its tokens and a stream lease from ``held.store`` (both in one
+        call where the tenant has both); a 429 for what the tenant's budget cannot give."""
         quota = held.quota
         buckets, amounts = quota.plan(reserved)
+        if buckets and held.lease_id is not None:  # both: one round trip, both or neither
+            held.asking, held.together = True, (buckets, amounts)
+            both = await held.store.reserve(
+                buckets, amounts, quota.stream_key, held.lease_id, quota.max_streams, LEASE_TTL_S
+            )
+            held.asking = False
+            if both.refused == "buckets":
+                self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "rate_limit"})
+                raise quota.refused(buckets, amounts, both.take)
+            if both.refused == "lease":
+                self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
+                raise quota.too_many_streams(both.holders)
+            held.reserved, held.lease = True, held.lease_id
+            headers.update(quota.headers(buckets, both.take.remaining))
+            self._lease_headers(quota, both.holders, headers)
+            return
         if buckets:
             taken = await held.store.take(buckets, amounts)
             if not taken.granted:
@@ -145,11 +161,15 @@ class QuotaStage:
                 self.metrics.shed.inc(tags={"tenant": quota.tenant, "reason": "concurrency"})
                 raise quota.too_many_streams(holders)
             held.lease = held.lease_id
-            # This request included: a client (or the gate) sees leaked leases as a low remainder.
-            headers["x-ratelimit-limit-concurrent-requests"] = str(quota.max_streams)
-            headers["x-ratelimit-remaining-concurrent-requests"] = str(
-                max(0, quota.max_streams - holders)
-            )
+            self._lease_headers(quota, holders, headers)
+
+    @staticmethod
+    def _lease_headers(quota: TenantQuota, holders: int, headers: dict[str, str]) -> None:
+        # This request included: a client (or the gate) sees leaked leases as a low remainder.
+        headers["x-ratelimit-limit-concurrent-requests"] = str(quota.max_streams)
+        headers["x-ratelimit-remaining-concurrent-requests"] = str(
+            max(0, quota.max_streams - holders)
+        )
 
     async def _on_store_failure(
         self, ctx: RequestContext, held: _Held, reserved: int, settle_id: str, headers: dict
@@ -227,7 +247,12 @@ class QuotaStage:
         )
 
     def _release(self, held: _Held) -> None:
+        """An unanswered lease call's lease back (and, asked together, the take with it)."""
         store, key, lease_id = self._settles_store(held), held.quota.stream_key, held.lease_id
+        if held.together is not None:
+            buckets, amounts = held.together
+            self.settles.land("release", lambda: store.unreserve(buckets, amounts, key, lease_id))
+            return
         self.settles.land("release", lambda: store.release_lease(key, lease_id))
 
 
@@ -241,3 +266,5 @@ class _Held:
     reserved: bool = False
     lease: str | None = None
     asking: bool = False  # a lease call under way: the store may grant it unanswered
+    # The take asked with the lease in one call (``Store.reserve``): undone with it if unanswered.
+    together: tuple[list, list] | None = None

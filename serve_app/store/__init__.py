@@ -1,6 +1,14 @@
 """Shared gateway state (token buckets, leases, cached answers) behind one interface."""
 
-from serve_app.store.base import Bucket, Store, StoreError, StoreUnavailable, TakeResult
+from serve_app.store.base import (
+    Bucket,
+    Reserved,
+    Store,
+    StoreError,
+    StoreSkipped,
+    StoreUnavailable,
+    TakeResult,
+)
 from serve_app.store.factory import Stores, build_store, build_stores
 from serve_app.store.guarded import GuardedStore
 from serve_app.store.memory import MemoryStore
@@ -11,8 +19,10 @@ __all__ = [
     "GuardedStore",
     "MemoryStore",
     "RedisStore",
+    "Reserved",
     "Store",
     "StoreError",
+    "StoreSkipped",
     "StoreUnavailable",
     "Stores",
     "TakeResult",

@@ -47,6 +47,11 @@ class StoreUnavailable(StoreError):
     """The store could not be reached or did not answer in time (not: it answered an error)."""
 
 
+class StoreSkipped(StoreUnavailable):
+    """The call was never sent: the store is known down (``GuardedStore``). Nothing it would
+    have changed changed, so nothing needs undoing."""
+
+
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """A token bucket: ``capacity`` is the burst, ``refill_per_s`` the sustained rate."""
@@ -89,6 +94,20 @@ class TakeResult:
     granted: bool
     remaining: tuple[float, ...]
     retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A request's take and its lease, made together (``Store.reserve``): both or neither.
+
+    ``refused``: None (both made), "buckets" (a bucket cannot cover its amount: nothing taken,
+    the lease not asked) or "lease" (the buckets could, but ``limit`` leases are held: nothing
+    taken). ``take`` is the buckets' outcome (its levels after the take, or untouched);
+    ``holders`` the leases under the key now, this one included when granted."""
+
+    take: TakeResult
+    holders: int
+    refused: str | None = None
 
 
 def check_take(buckets: Sequence[Bucket], amounts: Sequence[float]) -> None:
@@ -150,6 +169,45 @@ class Store(ABC):
     ) -> tuple[bool, int]:
         """Hold one of ``limit`` leases under ``key`` for ``ttl_s``. Returns (granted, holders
         now). Expired leases do not count; acquiring a lease already held renews it."""
+
+    async def reserve(
+        self,
+        buckets: Sequence[Bucket],
+        amounts: Sequence[float],
+        lease_key: str,
+        lease_id: str,
+        limit: int,
+        ttl_s: float,
+    ) -> Reserved:
+        """``take`` and ``acquire_lease`` as one: the buckets are taken only with the lease, and
+        the lease held only with the buckets (a request refused its lease owes no refund). One
+        round trip where the store can (Redis: one script). This default makes the two calls,
+        and gives the take back if the lease is refused."""
+        taken = await self.take(buckets, amounts)
+        if not taken.granted:
+            return Reserved(taken, 0, "buckets")
+        granted, holders = await self.acquire_lease(lease_key, lease_id, limit, ttl_s)
+        if granted:
+            return Reserved(taken, holders)
+        for bucket, amount in zip(buckets, amounts, strict=True):
+            await self.adjust(bucket, amount)
+        untouched = tuple(level + a for level, a in zip(taken.remaining, amounts, strict=True))
+        return Reserved(TakeResult(False, untouched, 0.0), holders, "lease")
+
+    async def unreserve(
+        self, buckets: Sequence[Bucket], amounts: Sequence[float], lease_key: str, lease_id: str
+    ) -> bool:
+        """Undo a ``reserve`` whose answer was lost, exactly: its lease is held if and only if
+        it took the buckets, so the lease is released and the amounts refunded when it is held,
+        and nothing happens when it is not (the reserve never ran, was refused, or is undone
+        already). True if it undid one. This default is not atomic (a store that implements
+        ``reserve`` in one step implements this in one too)."""
+        if not await self.renew_lease(lease_key, lease_id, 1.0):
+            return False
+        await self.release_lease(lease_key, lease_id)
+        for bucket, amount in zip(buckets, amounts, strict=True):
+            await self.adjust(bucket, amount)
+        return True
 
     @abstractmethod
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:

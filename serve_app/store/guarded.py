@@ -21,7 +21,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from serve_app.resilience.breaker import Admit, Breaker, BreakerSettings, Outcome, State
-from serve_app.store.base import Bucket, Store, StoreUnavailable, TakeResult
+from serve_app.store.base import (
+    Bucket,
+    Reserved,
+    Store,
+    StoreSkipped,
+    StoreUnavailable,
+    TakeResult,
+)
 
 T = TypeVar("T")
 
@@ -52,7 +59,7 @@ class GuardedStore(Store):
         admit = self._breaker.admit(self._clock())
         if admit is Admit.DENY:
             self.skipped += 1
-            raise StoreUnavailable(f"store {operation} skipped: the store is known down")
+            raise StoreSkipped(f"store {operation} skipped: the store is known down")
         probe = admit is Admit.PROBE
         before = self._breaker.state
         try:
@@ -86,6 +93,27 @@ class GuardedStore(Store):
     ) -> tuple[bool, int]:
         return await self._call(
             "acquire_lease", lambda: self.store.acquire_lease(key, lease_id, limit, ttl_s)
+        )
+
+    async def reserve(
+        self,
+        buckets: Sequence[Bucket],
+        amounts: Sequence[float],
+        lease_key: str,
+        lease_id: str,
+        limit: int,
+        ttl_s: float,
+    ) -> Reserved:
+        return await self._call(
+            "reserve",
+            lambda: self.store.reserve(buckets, amounts, lease_key, lease_id, limit, ttl_s),
+        )
+
+    async def unreserve(
+        self, buckets: Sequence[Bucket], amounts: Sequence[float], lease_key: str, lease_id: str
+    ) -> bool:
+        return await self._call(
+            "unreserve", lambda: self.store.unreserve(buckets, amounts, lease_key, lease_id)
         )
 
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:

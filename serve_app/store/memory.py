@@ -23,6 +23,7 @@ from typing import Any, Literal
 from serve_app.store.base import (
     ONCE_TTL_S,
     Bucket,
+    Reserved,
     Store,
     StoreError,
     TakeResult,
@@ -215,6 +216,45 @@ class MemoryStore(Store):
             holders[lease_id] = now + ttl_s
         self._store_holders(key, holders, now)
         return granted, len(holders)
+
+    async def reserve(
+        self,
+        buckets: Sequence[Bucket],
+        amounts: Sequence[float],
+        lease_key: str,
+        lease_id: str,
+        limit: int,
+        ttl_s: float,
+    ) -> Reserved:
+        check_take(buckets, amounts)
+        check_ttl(ttl_s)
+        now = self._clock()
+        levels = [self._level(bucket, now) for bucket in buckets]
+        if not all(covers(level, amount) for level, amount in zip(levels, amounts, strict=True)):
+            refused = TakeResult(False, tuple(levels), retry_after(buckets, amounts, levels))
+            return Reserved(refused, 0, "buckets")
+        holders = self._holders(lease_key, now)
+        if lease_id not in holders and len(holders) >= limit:
+            return Reserved(TakeResult(False, tuple(levels), 0.0), len(holders), "lease")
+        holders[lease_id] = now + ttl_s
+        self._store_holders(lease_key, holders, now)
+        remaining = []
+        for bucket, amount, level in zip(buckets, amounts, levels, strict=True):
+            self._store_level(bucket, level - amount, now)
+            remaining.append(level - amount)
+        return Reserved(TakeResult(True, tuple(remaining), 0.0), len(holders))
+
+    async def unreserve(
+        self, buckets: Sequence[Bucket], amounts: Sequence[float], lease_key: str, lease_id: str
+    ) -> bool:
+        now = self._clock()
+        holders = self._holders(lease_key, now)
+        if holders.pop(lease_id, None) is None:
+            return False
+        self._store_holders(lease_key, holders, now)
+        for bucket, amount in zip(buckets, amounts, strict=True):
+            self._store_level(bucket, min(bucket.capacity, self._level(bucket, now) + amount), now)
+        return True
 
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
         check_ttl(ttl_s)

@@ -38,6 +38,7 @@ from serve_app.store.base import (
     MIN_BUCKET_TTL_S,
     ONCE_TTL_S,
     Bucket,
+    Reserved,
     Store,
     StoreError,
     StoreUnavailable,
@@ -159,6 +160,75 @@ return {granted, count}
 """
 )
 
+# KEYS: buckets, then the lease set last. ARGV: epsilon, min_ttl, max_ttl, then (capacity,
+# refill_per_s, amount) per bucket, then lease_id, limit, ttl_ms. The take of _TAKE_LUA and the
+# lease of _ACQUIRE_LUA, both or neither. Returns {code, holders, level per bucket}: code 1 both
+# made (levels after the take), 0 a bucket refused (the lease not asked), 2 the lease refused
+# (levels untouched).
+_RESERVE_LUA = (
+    _BUCKET_LUA
+    + """
+local now = now_us()
+local now_ms = math.floor(now / 1000)
+local lease_key = KEYS[#KEYS]
+local n = #KEYS - 1
+local eps, min_ttl, max_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local caps, rates, amounts, levels, granted = {}, {}, {}, {}, true
+for i = 1, n do
+  caps[i] = tonumber(ARGV[3 * i + 1])
+  rates[i] = tonumber(ARGV[3 * i + 2])
+  amounts[i] = tonumber(ARGV[3 * i + 3])
+  levels[i] = level_of(KEYS[i], caps[i], rates[i], now)
+  if levels[i] + eps < amounts[i] then granted = false end
+end
+local lease_id = ARGV[3 * n + 4]
+local limit, ttl_ms = tonumber(ARGV[3 * n + 5]), tonumber(ARGV[3 * n + 6])
+local code, count = 0, 0
+if granted then
+  redis.call('ZREMRANGEBYSCORE', lease_key, '-inf', now_ms)
+  local held = redis.call('ZSCORE', lease_key, lease_id)
+  count = redis.call('ZCARD', lease_key)
+  if held or count < limit then
+    redis.call('ZADD', lease_key, now_ms + ttl_ms, lease_id)
+    if not held then count = count + 1 end
+    local last = redis.call('ZRANGE', lease_key, -1, -1, 'WITHSCORES')
+    redis.call('PEXPIRE', lease_key, math.max(1, tonumber(last[2]) - now_ms))
+    code = 1
+  else
+    code = 2
+  end
+end
+local out = {code, count}
+for i = 1, n do
+  if code == 1 then
+    levels[i] = levels[i] - amounts[i]
+    store_level(KEYS[i], caps[i], rates[i], levels[i], now, min_ttl, max_ttl)
+  end
+  out[i + 2] = fmt(levels[i])
+end
+return out
+"""
+)
+
+# KEYS: buckets, then the lease set last. ARGV: min_ttl, max_ttl, then (capacity, refill_per_s,
+# amount) per bucket, then lease_id. A lost _RESERVE_LUA undone: its lease is held if and only if
+# it took the buckets. Returns 1 if it undid one (the lease released, the amounts refunded).
+_UNRESERVE_LUA = (
+    _BUCKET_LUA
+    + """
+local lease_key = KEYS[#KEYS]
+if redis.call('ZREM', lease_key, ARGV[3 * (#KEYS - 1) + 3]) == 0 then return 0 end
+local now = now_us()
+local min_ttl, max_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 1, #KEYS - 1 do
+  local cap, rate = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  local level = math.min(cap, level_of(KEYS[i], cap, rate, now) + tonumber(ARGV[3 * i + 2]))
+  store_level(KEYS[i], cap, rate, level, now, min_ttl, max_ttl)
+end
+return 1
+"""
+)
+
 # KEYS[1]: lease set. ARGV: lease_id, ttl_ms. Returns 1 if the lease was held (and is extended).
 _RENEW_LUA = (
     _LEASE_LUA
@@ -190,6 +260,8 @@ class RedisStore(Store):
         self._peek = client.register_script(_PEEK_LUA)
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
+        self._reserve = client.register_script(_RESERVE_LUA)
+        self._unreserve = client.register_script(_UNRESERVE_LUA)
 
     @classmethod
     def from_url(
@@ -292,6 +364,44 @@ class RedisStore(Store):
                 keys=[self._key(key)], args=[lease_id, int(limit), _ms(ttl_s)]
             )
         return bool(granted), int(holders)
+
+    async def reserve(
+        self,
+        buckets: Sequence[Bucket],
+        amounts: Sequence[float],
+        lease_key: str,
+        lease_id: str,
+        limit: int,
+        ttl_s: float,
+    ) -> Reserved:
+        check_take(buckets, amounts)
+        check_ttl(ttl_s)
+        args: list[float | str] = [EPSILON, MIN_BUCKET_TTL_S, MAX_BUCKET_TTL_S]
+        for bucket, amount in zip(buckets, amounts, strict=True):
+            args += [bucket.capacity, bucket.refill_per_s, amount]
+        args += [lease_id, int(limit), _ms(ttl_s)]
+        keys = [self._key(b.key) for b in buckets] + [self._key(lease_key)]
+        with self._failures("reserve"):
+            reply = await self._reserve(keys=keys, args=args)
+        code, holders = int(reply[0]), int(reply[1])
+        levels = tuple(float(level) for level in reply[2:])
+        if code == 1:
+            return Reserved(TakeResult(True, levels, 0.0), holders)
+        if code == 2:
+            return Reserved(TakeResult(False, levels, 0.0), holders, "lease")
+        refused = TakeResult(False, levels, retry_after(buckets, amounts, levels))
+        return Reserved(refused, 0, "buckets")
+
+    async def unreserve(
+        self, buckets: Sequence[Bucket], amounts: Sequence[float], lease_key: str, lease_id: str
+    ) -> bool:
+        args: list[float | str] = [MIN_BUCKET_TTL_S, MAX_BUCKET_TTL_S]
+        for bucket, amount in zip(buckets, amounts, strict=True):
+            args += [bucket.capacity, bucket.refill_per_s, amount]
+        args.append(lease_id)
+        keys = [self._key(b.key) for b in buckets] + [self._key(lease_key)]
+        with self._failures("unreserve"):
+            return bool(await self._unreserve(keys=keys, args=args))
 
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
         check_ttl(ttl_s)

@@ -58,6 +58,20 @@ class FlakyStore(MemoryStore):
             lambda: super(FlakyStore, self).acquire_lease(key, lease_id, limit, ttl_s),
         )
 
+    async def reserve(self, buckets, amounts, lease_key, lease_id, limit, ttl_s):
+        return await self._run(
+            "reserve",
+            lambda: super(FlakyStore, self).reserve(
+                buckets, amounts, lease_key, lease_id, limit, ttl_s
+            ),
+        )
+
+    async def unreserve(self, buckets, amounts, lease_key, lease_id):
+        return await self._run(
+            "unreserve",
+            lambda: super(FlakyStore, self).unreserve(buckets, amounts, lease_key, lease_id),
+        )
+
     async def release_lease(self, key, lease_id):
         return await self._run(
             "release_lease", lambda: super(FlakyStore, self).release_lease(key, lease_id)
@@ -116,37 +130,41 @@ async def test_a_lease_release_meeting_a_store_failure_is_retried_until_the_stre
     await served_one(stage, t)  # the tenant's one stream is free again: not a 429
 
 
-async def test_a_lease_granted_but_unanswered_is_released():
-    """The store granted the lease and its reply was lost: the request is served unmetered
-    for streams, and the lease it may hold is given back rather than held for its TTL."""
+@pytest.mark.parametrize("how", ["before", "after"])
+async def test_a_reserve_unanswered_is_undone_and_the_request_charged_once_locally(how):
+    """The take and the lease are asked in one call (``Store.reserve``) and its reply is lost:
+    applied ("after") or not ("before"), nobody can tell. It is undone exactly (its lease is
+    held if and only if it took the tokens: ``unreserve``, retried until it lands), and the
+    request is served on this replica's local share instead: charged once, there."""
     store, t = FlakyStore(), tenant()
-    store.plans["acquire_lease"] = ["after"]
+    store.plans["reserve"] = [how]
+    store.plans["unreserve"] = ["before"]  # the undo meets the outage too, and is retried
     metrics = RecordingMetrics()
     stage = stage_over(store, metrics)
     await served_one(stage, t)
     assert {"op": "reserve"} in metrics.store_errors.calls
-    tokens, streams = await levels(store, t)
-    assert streams == 0
-    assert tokens == pytest.approx(10_000 - 50, abs=1)
+    assert await levels(store, t) == (pytest.approx(10_000, abs=1), 0)
+    (local_tokens,) = await stage.local_store.peek([stage.local_quotas[t.name].tokens])
+    assert local_tokens == pytest.approx(10_000 - 50, abs=1)
 
 
 async def test_a_client_leaving_during_the_lease_call_leaves_nothing_taken():
     store, t = FlakyStore(), tenant()
-    store.gates["acquire_lease"] = asyncio.Event()
+    store.gates["reserve"] = asyncio.Event()
     stage = stage_over(store)
     request = asyncio.create_task(stage(ctx_for(t), answered({})))
-    await asyncio.wait_for(store.entered.setdefault("acquire_lease", asyncio.Event()).wait(), 5)
+    await asyncio.wait_for(store.entered.setdefault("reserve", asyncio.Event()).wait(), 5)
     request.cancel()  # the client left while the lease was being asked for
     with pytest.raises(asyncio.CancelledError):
         await request
-    del store.gates["acquire_lease"]
+    store.gates["reserve"].set()  # the call lands after all: what it took is undone
     await stage.settles.drain()
     tokens, streams = await levels(store, t)
-    assert tokens == pytest.approx(10_000, abs=1), "the reservation was refunded"
+    assert tokens == pytest.approx(10_000, abs=1), "nothing taken is left behind"
     assert streams == 0
 
 
-async def test_a_refused_lease_refunds_its_reservation():
+async def test_a_refused_lease_takes_no_reservation():
     store, t = FlakyStore(), tenant()
     stage = stage_over(store)
     held, serving = asyncio.Event(), asyncio.Event()
@@ -163,7 +181,7 @@ async def test_a_refused_lease_refunds_its_reservation():
     assert getattr(info.value, "status", None) == 429
     await stage.settles.drain()
     tokens, _ = await levels(store, t)
-    # One reservation (prompt + 100) is out, the held request's: the refused one's came back.
+    # One reservation (prompt + 100) is out, the held request's: the refused one took none.
     assert 100 < 10_000 - tokens < 200
     held.set()
     await first

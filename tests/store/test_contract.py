@@ -248,6 +248,48 @@ async def test_expired_lease_does_not_count_and_renew_extends(
     assert await store.acquire_lease("streams:t", "late", 2, 10) == (False, 2)
 
 
+# -- reserve: a take and a lease together ---------------------------------------------------
+
+
+async def test_reserve_takes_and_leases_together(store: Store) -> None:
+    requests, tokens = bucket(10, name="r"), bucket(100, name="t")
+    reserved = await store.reserve([requests, tokens], [1, 30], "streams:t", "a", 2, 10)
+    assert reserved.refused is None and reserved.holders == 1
+    assert reserved.take.granted and reserved.take.remaining == pytest.approx((9, 70))
+    assert await store.peek([requests, tokens]) == pytest.approx((9, 70))
+    assert await store.acquire_lease("streams:t", "b", 2, 10) == (True, 2)  # "a" holds one
+
+
+async def test_a_refused_lease_takes_nothing_from_the_buckets(store: Store) -> None:
+    """The point of one call: a request over its stream cap owes no refund afterwards."""
+    requests, tokens = bucket(10, name="r"), bucket(100, name="t")
+    assert await store.acquire_lease("streams:t", "held", 1, 10) == (True, 1)
+    reserved = await store.reserve([requests, tokens], [1, 30], "streams:t", "b", 1, 10)
+    assert reserved.refused == "lease" and reserved.holders == 1 and not reserved.take.granted
+    assert reserved.take.remaining == pytest.approx((10, 100))
+    assert await store.peek([requests, tokens]) == pytest.approx((10, 100))
+    await store.release_lease("streams:t", "held")
+    assert (await store.reserve([requests], [1], "streams:t", "b", 1, 10)).refused is None
+
+
+async def test_refused_buckets_leave_the_lease_unasked(store: Store) -> None:
+    tokens = bucket(10, name="t")
+    reserved = await store.reserve([tokens], [30], "streams:t", "a", 5, 10)
+    assert reserved.refused == "buckets" and reserved.take.retry_after_s == math.inf
+    assert await store.acquire_lease("streams:t", "b", 1, 10) == (True, 1)  # none was taken
+
+
+async def test_concurrent_reserves_hold_both_limits(store: Store) -> None:
+    tokens = bucket(100, name="t")
+    results = await asyncio.gather(
+        *(store.reserve([tokens], [10], "streams:t", f"req-{i}", 4, 10) for i in range(20))
+    )
+    made = [r for r in results if r.refused is None]
+    assert len(made) == 4  # the lease cap binds first: 4 of 10 affordable
+    assert await store.peek([tokens]) == pytest.approx((60,))
+    assert {r.refused for r in results} == {None, "lease"}
+
+
 # -- cache ----------------------------------------------------------------------------------
 
 
