@@ -576,6 +576,13 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         note="was .ci/run step 3b, unchanged",
         serves_8000=True,
     ),
+    "python -m loadtest.store_round_trips": quick(
+        "{python} -m loadtest.store_round_trips --redis-url " + REDIS + " --check",
+        timeout=120,
+        note="alone: it reads Redis's own commandstats, which another lane's Redis traffic "
+        "would add to (a few seconds)",
+        alone=True,
+    ),
     "python -m loadtest.traffic_policy": quick(
         "{python} -m loadtest.traffic_policy --requests 2000 --check"
         " --out {tmp}/traffic-policy.json --png {tmp}/traffic-policy.png",

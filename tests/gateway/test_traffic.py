@@ -262,3 +262,32 @@ async def test_a_faulty_canary_is_aborted_and_traffic_returns_to_stable(monkeypa
     assert "canary" in served[:20] and set(served[-20:]) == {"stable"}
     assert traffic["weights"] == {"stable": 50.0, "canary": 0.0}
     assert traffic["variants"]["canary"]["errors"] >= 5
+
+
+async def test_a_responses_conversation_stays_on_its_variant_through_previous_response_id(
+    monkeypatch,
+):
+    """Each turn names only the one before it; the stored history is restored before the
+    variant is drawn, so every turn's opening (the sticky key) is the first turn's."""
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    gateway = await started(forge_args({**SPLIT, "sticky": "conversation"}, CHAINED))
+    seen = []
+    async with gateway.lifespan(), client(gateway) as alpha:
+        for i in range(12):
+            first = await alpha.responses.with_raw_response.create(
+                model="chat", input=f"conversation {i}", max_output_tokens=4
+            )
+            variants = [first.headers["x-forge-variant"]]
+            previous = first.parse().id
+            for _ in range(3):
+                turn = await alpha.responses.with_raw_response.create(
+                    model="chat",
+                    input="and then?",
+                    previous_response_id=previous,
+                    max_output_tokens=4,
+                )
+                variants.append(turn.headers["x-forge-variant"])
+                previous = turn.parse().id
+            assert len(set(variants)) == 1, variants
+            seen.append(variants[0])
+    assert set(seen) == {"stable", "canary"}  # and the conversations did split
