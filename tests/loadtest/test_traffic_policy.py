@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from loadtest import traffic_policy
 from serve_app.config.live import serve_config_forge
+from serve_app.config.models import ConfigError
 
 
 def test_the_drills_graph_is_a_valid_config_with_its_pools_and_entries():
@@ -70,3 +73,12 @@ def test_check_passes_a_run_that_held_and_fails_each_broken_expectation():
     ]:
         found = traffic_policy.problems(broken(path, value))
         assert len(found) == 1 and found[0].startswith(said), (path, found)
+
+
+def test_a_context_window_past_the_pool_applications_max_model_len_is_refused():
+    config = traffic_policy.serve_config()
+    (gateway,) = [a for a in config["applications"] if a["name"] == "forge"]
+    primary = next(p for p in gateway["args"]["pools"] if p["name"] == "primary")
+    primary["context_window"] = 9000  # its application's engine takes 8192
+    with pytest.raises(ConfigError, match=r"pools.0.context_window: 9000 is more than"):
+        serve_config_forge(config)
