@@ -38,7 +38,11 @@ def scheduler_deployment_name(pool: str) -> str:
 class SchedulerDeployment:
     """``admission`` None: the settings come from the gateways (``configure``), as in the
     control application, whose args must not change with them (a change of an application's
-    args replaces every deployment in it)."""
+    args replaces every deployment in it).
+
+    Every method a handle calls is ``async``: Serve runs a replica's plain methods in a thread
+    pool (``RAY_SERVE_RUN_SYNC_IN_THREADPOOL``, on by default), where a ``sync`` releasing a
+    slot raced ``acquire`` on the event loop and the pool was granted 9 slots of 8."""
 
     def __init__(
         self, pool: str, admission: dict | None = None, tenants: Sequence[dict] = ()
@@ -114,7 +118,7 @@ class SchedulerDeployment:
         lease = await self._ready().acquire(tenant, tier, ops, wait_s)
         return lease.lease_id, lease.ttl_s, lease.contended
 
-    def sync(self, ops: list[SlotOp]) -> tuple[bool, tuple[str, ...]]:
+    async def sync(self, ops: list[SlotOp]) -> tuple[bool, tuple[str, ...]]:
         reply = apply_ops(self._ready().scheduler, ops)
         return reply.contended, reply.lost
 
@@ -140,7 +144,7 @@ class SchedulerDeployment:
         self._applied = digest
         return True
 
-    def snapshot(self) -> dict:
+    async def snapshot(self) -> dict:
         snap = self._ready().scheduler.snapshot()
         return admission_view(snap) | {
             "granted": snap.granted,

@@ -8,6 +8,7 @@ uses, without a cluster. ``tests/e2e/test_control_app.py`` runs the same through
 
 from __future__ import annotations
 
+import inspect
 import pickle
 
 import pytest
@@ -56,7 +57,8 @@ async def test_an_unconfigured_scheduler_is_sent_the_settings_by_its_first_calle
     client = ServeSchedulerClient(InProcessHandle(scheduler), settings)
     lease = await client.acquire("alpha", None)
     assert asked == ["settings"]
-    assert scheduler.snapshot()["slots_total"] == 1 and scheduler.snapshot()["slots_used"] == 1
+    snapshot = await scheduler.snapshot()
+    assert snapshot["slots_total"] == 1 and snapshot["slots_used"] == 1
     assert await client.renew(lease.lease_id, "alpha", "interactive") is True
     assert asked == ["settings"], "a configured scheduler is not sent them again"
 
@@ -74,9 +76,27 @@ async def test_a_restarted_scheduler_learns_a_live_lease_from_its_renewal():
     restarted = SchedulerDeployment("primary")
     client = ServeSchedulerClient(InProcessHandle(restarted), lambda: (ADMISSION, TENANTS))
     assert await client.renew(lease.lease_id, "alpha", "batch") is True
-    snapshot = restarted.snapshot()
+    snapshot = await restarted.snapshot()
     assert snapshot["slots_used"] == 1 and snapshot["inflight"] == {"alpha": 1}
     assert snapshot["adopted_leases"] == 1
     with pytest.raises(Shed) as shed:  # the budget is held: a newcomer waits, and is refused
         await client.acquire("alpha", None)
     assert shed.value.reason == "deadline"
+
+
+def test_every_method_a_handle_calls_runs_on_the_replicas_event_loop():
+    """Serve runs a replica's plain (non-async) methods in a thread pool, beside the event loop
+    that runs ``acquire``: a ``sync`` there releasing a slot raced an ``acquire`` granting one,
+    and the e2e slot budget saw the scheduler hold 9 leases of 8."""
+    called = [
+        name
+        for name, method in inspect.getmembers(SchedulerDeployment, inspect.isfunction)
+        if not name.startswith("_")
+    ]
+    assert {"acquire", "sync", "renew", "snapshot"} <= set(called)
+    plain = [
+        name
+        for name in called
+        if not inspect.iscoroutinefunction(SchedulerDeployment.__dict__[name])
+    ]
+    assert plain == [], f"these would run off the event loop: {plain}"

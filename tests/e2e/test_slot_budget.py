@@ -23,24 +23,25 @@ def test_slots_in_flight_stay_within_max_inflight_across_gateway_replicas(forge_
     """Two gateway replicas, one tenant on each replica's own port. First each stays under its
     half of the pool's 8 slots, so nobody queues and each replica ends with slots parked; then
     both burst past the budget, taking their parked slots at once while the rest queue at the
-    scheduler. The pool's replica never serves more than 8 streams at once (a variant that told
-    the scheduler a parked slot was free served 16), and no slot is left held by a request once
-    the load stops. (Streams, not the engine's running + waiting: like vLLM, the engine counts a
-    finished sequence until its next step, when the gateway may rightly have reused its slot.)"""
+    scheduler. Neither the pool's replica nor the scheduler ever holds more than 8 streams or
+    leases at once (a variant that told the scheduler a parked slot was free served 16), and no
+    slot is left held by a request once the load stops. (Streams, not the engine's running +
+    waiting: like vLLM, the engine counts a finished sequence until its next step, when the
+    gateway may rightly have reused its slot.)"""
     urls = replica_admin.direct_ingress_urls(APP) or [forge_url, forge_url]
     assert len(urls) == 2, urls
     pool = replica_admin.replica_ids(APP, "pool-fair")
     peak, stop = 0, threading.Event()
 
     def watch_the_engine() -> None:
-        # The peak of what two samples in a row (~10 ms apart) both saw: a single sample one
-        # over the budget was seen in 1 of 4 runs and its cause is not established (see
-        # docs/benchmarks.md); an over-admitting gateway holds its excess far longer.
+        # Every sample, the pool replica's open streams and the scheduler's leases. (It was
+        # once bounded on two samples in a row: a single one read 9 now and then, the scheduler
+        # holding 9 leases while its ``sync`` ran in Serve's thread pool beside ``acquire``.)
         nonlocal peak
-        last = 0
         while not stop.is_set():
-            now = sum(replica_admin.stats(APP, "pool-fair", r)["open_streams"] for r in pool)
-            peak, last = max(peak, min(now, last)), now
+            streams = sum(replica_admin.stats(APP, "pool-fair", r)["open_streams"] for r in pool)
+            leases = replica_admin.scheduler_snapshot(APP, "fair")["slots_used"]
+            peak = max(peak, streams, leases)
             time.sleep(0.01)
 
     def phase(concurrency: int, duration_s: float):
@@ -70,7 +71,7 @@ def test_slots_in_flight_stay_within_max_inflight_across_gateway_replicas(forge_
         watcher.join(timeout=10)
     ok = sum(run.summary()["ok"] for run in runs)
     assert ok > 40, [run.summary() for run in runs]
-    assert 0 < peak <= 8, f"the pool served {peak} streams at once; its budget is 8"
+    assert 0 < peak <= 8, f"the pool held {peak} streams or leases at once; its budget is 8"
 
     def no_slot_held_by_a_request() -> bool:
         snap = replica_admin.scheduler_snapshot(APP, "fair")
