@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from loadtest import tool_venv
 
 # The newest release whose ``[proxy]`` extra resolves from PyPI here (1.108 and later pin
 # ``litellm-proxy-extras`` releases that are not published).
@@ -59,33 +59,12 @@ def _python(venv: Path) -> Path:
 
 
 def installed_version(venv: Path = DEFAULT_VENV) -> str | None:
-    if not _python(venv).exists():
-        return None
-    probe = subprocess.run(
-        [str(_python(venv)), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
-        capture_output=True,
-        text=True,
-    )
-    return probe.stdout.strip() if probe.returncode == 0 else None
+    return tool_venv.installed_version(venv, "litellm")
 
 
 def ensure_venv(venv: Path = DEFAULT_VENV, version: str = LITELLM_VERSION) -> Path:
     """The virtualenv with ``litellm[proxy]==version`` in it, made or fixed up if need be."""
-    venv = Path(venv).expanduser()
-    if installed_version(venv) == version:
-        return venv
-    if not _python(venv).exists():
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        print(f"creating {venv} for litellm[proxy]=={version}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run(
-        [str(_python(venv)), "-m", "pip", "install", "-q", f"litellm[proxy]=={version}"],
-        check=True,
-    )
-    got = installed_version(venv)
-    if got != version:
-        raise RuntimeError(f"{venv}: litellm {got} installed, {version} wanted")
-    return venv
+    return tool_venv.ensure(venv, "litellm", version, [f"litellm[proxy]=={version}"])
 
 
 def write_config(

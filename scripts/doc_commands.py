@@ -588,8 +588,11 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         " --out {tmp}/traffic-policy.json --png {tmp}/traffic-policy.png",
         timeout=600,
         note="its own serve run of a changed copy of configs/local.yaml (three more pools); "
-        "2,000 split requests, not the table's 10,000 (the ±2 % bound holds at both)",
+        "2,000 split requests, not the table's 10,000 (the ±2 % bound holds at both); alone: "
+        "its overload claim (the chain's p95 below the pool alone's) failed beside another "
+        "lane twice (the spilled share saturates the small pool when a core is taken)",
         serves_8000=True,
+        alone=True,
     ),
     "python -m loadtest.slow_readers": quick(
         "{python} -m loadtest.slow_readers --quick --out {tmp}/slow-readers.json",
@@ -751,6 +754,15 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         "docs/deploy.md's check of a cluster's endpoint; the graph group's readiness wait "
         "asks the same route of the laptop graph",
         by="curl /v1/chat/completions",
+    ),
+    "python -m loadtest.guidellm_bench": quick(
+        "{python} -m loadtest.guidellm_bench --forge-url " + GRAPH + " --requests 10 --check"
+        " --out {tmp}/guidellm.json --work {tmp}/guidellm",
+        timeout=900,
+        group="graph",
+        note="GuideLLM in its own cached virtualenv (~/.cache/forge/guidellm-venv: the first "
+        "run installs it, ~2 min, 1.5 GB); 10 requests a profile, not the table's 100, against "
+        "the group's graph instead of one of its own",
     ),
     "forge usage": quick(
         "{bin}/forge usage --start 2026-11-01 --csv",

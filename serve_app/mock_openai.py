@@ -122,8 +122,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=9100)
     parser.add_argument("--model", default="mock-gemini")
     parser.add_argument("--engine", default="{}", help="SimulatedEngineConfig as JSON")
+    parser.add_argument(
+        "--vllm-params",
+        action="store_true",
+        help="take vLLM's sampling extensions (ignore_eos, ...), as vLLM's server does, rather "
+        "than refuse what Gemini refuses: outside benchmark clients send them",
+    )
     args = parser.parse_args()
-    app = create_mock_app(args.model, orjson.loads(args.engine))
+    accepted = None if args.vllm_params else GEMINI_PARAMS
+    app = create_mock_app(args.model, orjson.loads(args.engine), accepted_params=accepted)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 
