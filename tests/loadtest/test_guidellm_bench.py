@@ -29,7 +29,7 @@ def test_the_baseline_engine_is_the_primary_pools_with_the_whole_pools_batch():
     assert timings and all(engine[k] == v for k, v in timings.items())
 
 
-def test_the_scenario_names_the_key_only_where_one_is_given_and_sends_no_output_file_of_ours():
+def test_the_scenario_names_the_key_only_where_one_is_given():
     args = argparse.Namespace(rate=4.0, prompt_tokens=256, output_tokens=64, requests=10)
     tok = Path("/tmp/tok")
     bare = guidellm_bench.scenario("http://127.0.0.1:9", None, "synchronous", args, tok)["spec"]
