@@ -52,7 +52,6 @@ import json
 import multiprocessing
 import os
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -69,6 +68,7 @@ import httpx
 import orjson
 
 from loadtest import inprocess, traffic
+from loadtest.processes import role_of
 from loadtest.traffic import DROPPED, Result, Stream
 
 APP = "forge-soak"
@@ -497,29 +497,6 @@ def _load_generator(url: str, duration_s: float, seed: int, out: str) -> None:
 
 # -- memory ----------------------------------------------------------------------------------
 
-_REPLICA = re.compile(r"^ray::ServeReplica:([^:\s]+):([^.\s]+)")
-_ACTOR = re.compile(r"^ray::([A-Za-z_]+)")
-_ACTOR_ROLES = {
-    "ProxyActor": "proxy",
-    "ServeController": "controller",
-    "DashboardAgent": "dashboard-agent",
-    "RuntimeEnvAgent": "runtime-env-agent",
-    "IDLE": "idle-worker",
-}
-_SCRIPT_ROLES = (
-    # The dashboard's head modules run in processes forked from a forkserver of its own.
-    ("ray-dashboard-", "dashboard-modules"),
-    ("multiprocessing.forkserver", "dashboard-modules"),
-    ("dashboard/dashboard.py", "dashboard"),
-    ("dashboard/agent.py", "dashboard-agent"),
-    ("runtime_env/agent/main.py", "runtime-env-agent"),
-    ("log_monitor.py", "log-monitor"),
-    ("autoscaler/_private/monitor.py", "autoscaler-monitor"),
-    ("gcs_server", "gcs"),
-    ("raylet/raylet", "raylet"),
-    ("redis-server", "redis"),
-    ("haproxy", "haproxy"),
-)
 # Shown, never judged: the load generator keeps every result by design; Redis is the store
 # (its once-ids live an hour by design, see serve_app/store/base.py); idle workers come and go.
 UNJUDGED = frozenset({"loadgen", "redis", "redis-soak", "idle-worker", "other"})
@@ -530,20 +507,6 @@ JUDGED_APPS = frozenset({APP, MOCK_APP})
 def judged_role(role: str) -> bool:
     app, colon, _ = role.partition(":")
     return role not in UNJUDGED and (not colon or app in JUDGED_APPS)
-
-
-def role_of(cmdline: Sequence[str], name: str = "") -> str:
-    """A process's role from its command line (Ray names its workers ``ray::<actor>``)."""
-    head = cmdline[0] if cmdline else name
-    if m := _REPLICA.match(head):
-        return f"{m.group(1)}:{m.group(2)}"
-    if m := _ACTOR.match(head):
-        return _ACTOR_ROLES.get(m.group(1), m.group(1).lower())
-    joined = " ".join(cmdline) or name
-    for needle, role in _SCRIPT_ROLES:
-        if needle in joined:
-            return role
-    return "other"
 
 
 @dataclass
