@@ -600,6 +600,13 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         note="its own serve run of a changed copy of configs/local.yaml; 20 slow clients",
         serves_8000=True,
     ),
+    "python -m loadtest.memory": quick(
+        "{python} -m loadtest.memory --idle-s 2 --no-floor --check --out {tmp}/memory.json",
+        timeout=420,
+        note="its own serve run of configs/local.yaml; idles 2 s, not 10, and skips the floor's "
+        "run: what CI guards is --check (no pool ingress runs a process)",
+        serves_8000=True,
+    ),
     "python -m evals.local": quick(
         "{python} -m evals.local --json-dir {tmp} --log {tmp}/gate-serve.log"
         " --only protocol prompt:greeting metering",

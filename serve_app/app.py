@@ -105,6 +105,7 @@ def _board(settings: dict | None, *schedulers: Application) -> Application:
 
 
 POOL_APP_INGRESS = "ingress"  # a pool application's ingress (replica/pool_ingress.py says why)
+POOL_APP_INGRESS_AUTOSCALING = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}
 
 
 def build_pool(args: dict[str, Any]) -> Application:
@@ -114,7 +115,10 @@ def build_pool(args: dict[str, Any]) -> Application:
     config = load_pool_app_config(args)
     ingress = serve.deployment(PoolApplication).options(
         name=POOL_APP_INGRESS,
-        num_replicas=1,
+        # It serves nothing, so it runs nothing: no process (~100 MiB each, docs/benchmarks.md
+        # "Memory") and no direct-ingress port. A call (`describe`) wakes one; it goes again
+        # after Serve's downscale delays.
+        autoscaling_config=POOL_APP_INGRESS_AUTOSCALING,
         max_ongoing_requests=16,
         ray_actor_options={"num_cpus": 0},
     )

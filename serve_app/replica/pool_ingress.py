@@ -5,7 +5,9 @@ throughput-optimized mode) an ingress replica opens its own HTTP and gRPC ports,
 requests as ingress traffic for autoscaling and is held at least 30 s when it stops. None of
 that fits a pool's replicas: they take requests only through the gateway's handle and must
 drain as the pool's own ``graceful_shutdown_timeout_s`` says (12 s on spot T4s). So the pool is
-a child deployment and this one, which serves nothing, is the application's ingress.
+a child deployment and this one, which serves nothing, is the application's ingress. It runs at
+zero replicas (``serve_app/app.py``): no process, no port; Serve wakes one for a call to
+``describe`` and lets it go after its downscale delays.
 """
 
 from __future__ import annotations

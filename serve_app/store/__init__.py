@@ -12,7 +12,6 @@ from serve_app.store.base import (
 from serve_app.store.factory import Stores, build_store, build_stores
 from serve_app.store.guarded import GuardedStore
 from serve_app.store.memory import MemoryStore
-from serve_app.store.redis import RedisStore
 
 __all__ = [
     "Bucket",
@@ -29,3 +28,12 @@ __all__ = [
     "build_store",
     "build_stores",
 ]
+
+
+def __getattr__(name: str):
+    # RedisStore on first use: a gateway with no Redis configured never loads redis-py.
+    if name == "RedisStore":
+        from serve_app.store.redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

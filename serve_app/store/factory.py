@@ -11,7 +11,6 @@ from serve_app.resilience.settings import breaker_settings
 from serve_app.store.base import Store
 from serve_app.store.guarded import GuardedStore
 from serve_app.store.memory import MemoryStore
-from serve_app.store.redis import RedisStore
 
 
 def build_store(
@@ -33,6 +32,10 @@ def build_store(
     url = config.resolved_url()
     if not url:
         return MemoryStore(max_cache_bytes=max_cache_bytes)
+    # Here, not at the top: a replica with no Redis configured never loads redis-py (~8 MiB
+    # of every gateway process, docs/benchmarks.md "Memory").
+    from serve_app.store.redis import RedisStore
+
     redis = RedisStore.from_url(
         url, key_prefix=config.key_prefix, timeout_s=timeout_s or config.timeout_s
     )

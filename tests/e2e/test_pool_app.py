@@ -87,6 +87,12 @@ async def test_a_pool_in_its_own_application_rolls_without_the_gateway(forge_url
     gateway = replica_admin.replica_ids(GATEWAY_APP, "gateway")
     pool = replica_admin.replica_ids(POOL_APP, "pool-split")
     try:
+        # The application's do-nothing ingress runs no process, yet the application is up and
+        # an operator's call to it is answered (Serve wakes a replica for it).
+        assert replica_admin.replica_ids(POOL_APP, "ingress") == []
+        assert serve.status().applications[POOL_APP].status == "RUNNING"
+        described = serve.get_app_handle(POOL_APP).describe.remote()
+        assert (await asyncio.wait_for(described, 60))["pool"] == "split"
         async with httpx.AsyncClient(base_url=forge_url, timeout=30) as client:
             # Served through the handle found by name; kept and replayed once the pool's
             # replicas have said what they run.
