@@ -127,7 +127,7 @@ def graph_pids(session: int) -> list[int]:
         match.group(0)
         for pid in pids
         for word in cmdline(pid)
-        if (match := _RAY_SESSION.search(word)) and match.group(0) != "session_latest"
+        if (match := _RAY_SESSION.search(word))
     }
     if names:
         for entry in Path("/proc").iterdir():

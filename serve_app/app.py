@@ -115,7 +115,7 @@ def build_pool(args: dict[str, Any]) -> Application:
     config = load_pool_app_config(args)
     ingress = serve.deployment(PoolApplication).options(
         name=POOL_APP_INGRESS,
-        # It serves nothing, so it runs nothing: no process (~100 MiB each, docs/benchmarks.md
+        # It serves nothing, so it runs nothing: no process (~85 MiB PSS each, docs/benchmarks.md
         # "Memory") and no direct-ingress port. A call (`describe`) wakes one; it goes again
         # after Serve's downscale delays.
         autoscaling_config=POOL_APP_INGRESS_AUTOSCALING,

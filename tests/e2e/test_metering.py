@@ -125,7 +125,10 @@ async def mixed_run(forge_url: str, faults) -> int:
         """A non-streamed request whose client gives up mid-generation."""
         body = {**ask(i), "max_tokens": 2000, "ignore_eos": True}
         headers = {"authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=forge_url, timeout=0.5) as http:
+        # Half a second to read the answer, not to connect: among the run's ~100 concurrent
+        # requests a connect can take longer (CI saw a ConnectTimeout here).
+        timeout = httpx.Timeout(30, read=0.5)
+        async with httpx.AsyncClient(base_url=forge_url, timeout=timeout) as http:
             with contextlib.suppress(httpx.ReadTimeout):
                 await http.post("/v1/chat/completions", json=body, headers=headers)
                 raise AssertionError("a 2,000-token answer came within half a second")

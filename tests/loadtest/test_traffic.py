@@ -202,7 +202,9 @@ async def test_run_records_backends_tokens_and_failures(base_url, capsys):
     assert {(r.status, r.error, r.backend) for r in by["limited"]} == {(429, "http_429", None)}
     assert {(r.status, r.truncated, r.error) for r in by["cut"]} == {(200, True, "no_done")}
     assert {(r.truncated, r.error) for r in by["broken"]} == {(True, "error_event")}
-    assert all(0.6 <= r.start < 0.95 for r in by["late"])
+    # Scheduled inside [0.6, 0.9); sent then, or later by the event loop's lag (CI, loaded,
+    # saw a send past 0.95 s), never before.
+    assert all(0.6 <= r.start < 0.9 + 0.5 for r in by["late"])
 
     s = summarize(results)
     assert s["requests"] == len(results) and s["dropped"] == 0
