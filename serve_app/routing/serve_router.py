@@ -106,14 +106,17 @@ class ForgeRequestRouter(RequestRouter):
     def engine_identity(self) -> str | None:
         """What the pool's replicas run, from their routing stats: the one identity they agree
         on (kept while the pool is scaled to zero), None while they differ (a roll under way:
-        the cache must not key one engine's answers by the other's) or before any has said."""
-        said = {(r.routing_stats or {}).get("engine_identity") for r in self.curr_replicas.values()}
+        the cache must not key one engine's answers by the other's) or while none of the
+        replicas there are has said (a roll's new replicas may run another engine)."""
+        replicas = self.curr_replicas.values()
+        said = {(r.routing_stats or {}).get("engine_identity") for r in replicas}
         said.discard(None)
         if len(said) > 1:
             return None
         if said:
             (self._agreed_identity,) = said
-        return self._agreed_identity
+            return self._agreed_identity
+        return None if replicas else self._agreed_identity
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

@@ -87,12 +87,9 @@ async def test_a_pool_in_its_own_application_rolls_without_the_gateway(forge_url
     gateway = replica_admin.replica_ids(GATEWAY_APP, "gateway")
     pool = replica_admin.replica_ids(POOL_APP, "pool-split")
     try:
-        # The application's do-nothing ingress runs no process, yet the application is up and
-        # an operator's call to it is answered (Serve wakes a replica for it).
+        # The application's do-nothing ingress runs no process, yet the application is up.
         assert replica_admin.replica_ids(POOL_APP, "ingress") == []
         assert serve.status().applications[POOL_APP].status == "RUNNING"
-        described = serve.get_app_handle(POOL_APP).describe.remote()
-        assert (await asyncio.wait_for(described, 60))["pool"] == "split"
         async with httpx.AsyncClient(base_url=forge_url, timeout=30) as client:
             # Served through the handle found by name; kept and replayed once the pool's
             # replicas have said what they run.
@@ -105,6 +102,10 @@ async def test_a_pool_in_its_own_application_rolls_without_the_gateway(forge_url
         # Another engine: the old one's answer is not replayed; the new one's is kept.
         assert "miss" in after and after.index("miss") < after.index("hit"), after
         assert replica_admin.replica_ids(GATEWAY_APP, "gateway") == gateway  # not replaced
+        # An operator's call to the ingress is answered: Serve wakes a replica for it. (After
+        # the roll: a running ingress would be replaced by it too, and change its timing.)
+        described = serve.get_app_handle(POOL_APP).describe.remote()
+        assert (await asyncio.wait_for(described, 60))["pool"] == "split"
     finally:
         serve.delete(GATEWAY_APP, _blocking=False)  # they drain on their own time
         serve.delete(POOL_APP, _blocking=False)

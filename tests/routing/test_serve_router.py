@@ -177,6 +177,14 @@ async def test_the_engine_the_replicas_run_reaches_the_gateway_when_they_agree()
     assert pool.engine_identity() == "engine-2"
     router.update_replicas([])  # scaled to zero: the pool still runs what it last ran
     assert pool.engine_identity() == "engine-2"
+    # Rolled while the gateway looked away: only new replicas, none has said. Keying by the
+    # last agreed engine would replay its answers for another's (CI saw it: a cache hit
+    # right after a pool's roll).
+    d = Replica("d")
+    router.update_replicas([d])
+    assert pool.engine_identity() is None
+    d.routing_stats = {"engine_identity": "engine-3"}
+    assert pool.engine_identity() == "engine-3"
 
 
 # -- breakers and retries --------------------------------------------------------------------
