@@ -119,9 +119,9 @@ def cmdline(pid: int) -> list[str]:
 
 
 def graph_pids(session: int) -> list[int]:
-    """The session's processes, and those of its Ray session that left it (the raylet starts
-    in a session of its own): Ray's processes name their session directory on the command
-    line."""
+    """The session's processes, and any process of its Ray session that left it (none did
+    here: a guard, not a known case). Ray's processes name their session directory on the
+    command line."""
     pids = set(local_graph.session_pids(session))
     names = {
         match.group(0)
