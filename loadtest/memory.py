@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,6 @@ from loadtest import local_graph
 from loadtest.processes import role_of
 
 OUT = Path("loadtest/results/memory.json")
-_RAY_SESSION = re.compile(r"session_[0-9]{4}-[0-9_-]+")
 FLOOR_APP = "floor"
 # Ray's and Serve's own processes: every graph has them, whatever it serves.
 RAY_ROLES = frozenset(
@@ -118,31 +116,10 @@ def cmdline(pid: int) -> list[str]:
     return [word.decode(errors="replace") for word in raw.split(b"\0") if word]
 
 
-def graph_pids(session: int) -> list[int]:
-    """The session's processes, and any process of its Ray session that left it (none did
-    here: a guard, not a known case). Ray's processes name their session directory on the
-    command line."""
-    pids = set(local_graph.session_pids(session))
-    names = {
-        match.group(0)
-        for pid in pids
-        for word in cmdline(pid)
-        if (match := _RAY_SESSION.search(word))
-    }
-    if names:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) not in pids:
-                line = " ".join(cmdline(int(entry.name)))
-                if any(name in line for name in names):
-                    pids.add(int(entry.name))
-    pids.discard(os.getpid())
-    return sorted(pids)
-
-
 def sample(session: int) -> dict[int, dict]:
     """Every process of the graph: its role and memory in MiB."""
     out = {}
-    for pid in graph_pids(session):
+    for pid in local_graph.session_pids(session):
         words = cmdline(pid)
         fields = smaps(pid)
         if not words or fields is None:  # gone, or a zombie
