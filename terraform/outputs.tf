@@ -69,8 +69,8 @@ output "redis_cache_url" {
 }
 
 output "vertex_ai_base_url" {
-  description = "OpenAI-compatible Vertex AI endpoint of this project and region, for the fallback's base_url (configs/gke.yaml)."
-  value       = "https://${var.region}-aiplatform.googleapis.com/v1/projects/${var.project_id}/locations/${var.region}/endpoints/openapi"
+  description = "OpenAI-compatible Vertex AI endpoint of this project, for the fallback's base_url (configs/gke.yaml): the global one, which serves the Gemini 3 models configs/vertex-models.yaml lists (their regional endpoints do not)."
+  value       = "https://aiplatform.googleapis.com/v1/projects/${var.project_id}/locations/global/endpoints/openapi"
 }
 
 output "gpu_node_pool" {

@@ -25,6 +25,7 @@ session, every case in one call of the tools' interpreter.
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import importlib
 import ipaddress
@@ -355,8 +356,7 @@ def test_serve_config_is_configs_gke_yaml(renders):
 def test_production_overrides_only_the_vertex_endpoint(renders):
     expected = gke_config()
     forge_app(expected)["args"]["fallback"]["base_url"] = (
-        "https://us-central1-aiplatform.googleapis.com/v1/projects/forge-prod"
-        "/locations/us-central1/endpoints/openapi"
+        "https://aiplatform.googleapis.com/v1/projects/forge-prod/locations/global/endpoints/openapi"
     )
     assert serve_config(renders["production"]) == expected
 
@@ -376,6 +376,79 @@ def test_vertex_global_endpoint(renders):
         "https://aiplatform.googleapis.com/v1/projects/forge-staging/locations/global"
         "/endpoints/openapi"
     )
+
+
+# --- the fallback's model: Vertex's dated list --------------------------------------------------
+
+VERTEX_MODELS = ROOT / "configs" / "vertex-models.yaml"
+# Vertex blocks new access to a model this long before its retirement date (the source page of
+# configs/vertex-models.yaml): a fresh project cannot call it from then on.
+NEW_ACCESS_BLOCKED = datetime.timedelta(days=31)
+
+
+def fallback_model_problems(
+    config: dict, catalogue: dict, today: datetime.date | None = None
+) -> list[str]:
+    """The fallback's Vertex model is in configs/vertex-models.yaml, a month or more from its
+    retirement date on ``today``, and served by the location of the fallback's endpoint (issue
+    32, item 3): a retired id answers 404 and the fallback 5xx's every cold start."""
+    today = today or datetime.date.today()
+    fallback = forge_app(config)["args"]["fallback"]
+    model = fallback["model"].removeprefix("google/")
+    location = re.search(r"/locations/([^/]+)/", fallback["base_url"])
+    entry = catalogue["models"].get(model)
+    if entry is None:
+        return [f"{model}: not in configs/vertex-models.yaml (no retirement date to check)"]
+    problems = []
+    if today >= entry["retires"] - NEW_ACCESS_BLOCKED:
+        problems.append(
+            f"{model}: retires {entry['retires']} (new access blocked a month before), "
+            f"today is {today}; Vertex's replacement: {entry.get('replaced_by', 'see the page')}"
+        )
+    if location is None or location[1] not in entry["locations"]:
+        where = location[1] if location else fallback["base_url"]
+        problems.append(f"{model}: not served at {where} (served at {entry['locations']})")
+    return problems
+
+
+def vertex_models() -> dict:
+    return yaml.safe_load(VERTEX_MODELS.read_text())
+
+
+def test_the_fallback_model_is_listed_and_not_retiring(rendered):
+    assert fallback_model_problems(serve_config(rendered), vertex_models()) == []
+
+
+def test_every_listed_vertex_model_has_its_dates_and_source():
+    catalogue = vertex_models()
+    assert catalogue["source"].startswith("https://docs.cloud.google.com/")
+    for model, entry in catalogue["models"].items():
+        assert entry["released"] < entry["retires"], model
+        assert entry["locations"], model
+
+
+def test_fallback_model_check_catches_a_retired_unlisted_or_misplaced_model(renders):
+    catalogue = vertex_models()
+    config = serve_config(renders["production"])
+    fallback = forge_app(config)["args"]["fallback"]
+    fallback["model"] = "google/gemini-2.5-flash"  # the model the chart shipped with
+    (problem,) = fallback_model_problems(config, catalogue)
+    assert "retires 2026-10-20" in problem
+    fallback["model"] = "google/gemini-9-flash"
+    assert "not in configs/vertex-models.yaml" in fallback_model_problems(config, catalogue)[0]
+    fallback["model"] = "google/gemini-3.8-flash"
+    assert fallback_model_problems(config, catalogue) == []
+    # The month before retirement already fails: new access is blocked then.
+    a_month_before = catalogue["models"]["gemini-3.8-flash"]["retires"] - NEW_ACCESS_BLOCKED
+    assert fallback_model_problems(config, catalogue, a_month_before)
+    # A regional endpoint that does not serve Gemini 3.
+    regional = serve_config(renders["default"])
+    forge_app(regional)["args"]["fallback"]["base_url"] = (
+        "https://us-central1-aiplatform.googleapis.com/v1/projects/forge-prod"
+        "/locations/us-central1/endpoints/openapi"
+    )
+    (problem,) = fallback_model_problems(regional, catalogue)
+    assert "not served at us-central1" in problem
 
 
 @pytest.mark.parametrize("name", [*VALUES_FILES, *OVERRIDES])
