@@ -8,9 +8,15 @@
 # by version; pin the digest too for a reproducible build (placeholder: none resolved offline):
 #   docker buildx imagetools inspect rayproject/ray:2.60.0-py311-gpu --format '{{json .Manifest.Digest}}'
 #   FROM rayproject/ray:2.60.0-py311-gpu@sha256:<that digest>
-# vLLM's wheel names the CUDA it was built for: keep the base's CUDA major in step with it
-# (a -cu12x tag of the same release pins that explicitly).
 FROM rayproject/ray:2.60.0-py311-gpu
+
+# vLLM's CUDA build, and torch's with it: vLLM's default PyPI wheel is CUDA 13.0 (since 0.20),
+# which starts only on an R580+ driver; the CUDA 12.9 build runs on any R525+ driver (CUDA's
+# minor-version compatibility), which GKE's LATEST driver on the T4 pool is (terraform:
+# gpu_driver_version). The pairing and its sources: images/cuda-drivers.yaml, checked by
+# tests/deploy/test_terraform.py. The wheels come with their own CUDA runtime (pip's nvidia-*
+# packages): the base image's CUDA is not the one that runs.
+ARG VLLM_CUDA=cu129
 
 USER 1000
 # Made by that user (WORKDIR alone may create it as root): pip builds Forge in place here.
@@ -26,10 +32,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 COPY --chown=1000:100 . .
 
 # The vllm extra's version is pinned in pyproject.toml (vllm==0.32.0); pip resolves it with Ray
-# held at the base image's release. The import check runs without a GPU (no CUDA call at import).
+# held at the base image's release, and prefers the +cu129 builds of vLLM and torch from the
+# two extra indexes (for this RUN only; a local version label sorts above the plain one). The
+# checks run without a GPU (no CUDA call at import): the build fails unless torch is the CUDA
+# 12 build.
 # DL3013 wants `pkg==version` on the command line: here the package is this checkout and the
 # extra's pin lives in pyproject.toml, which hadolint cannot read.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[vllm]" \
-    && python -c "import serve_app.app, vllm" \
+RUN PIP_EXTRA_INDEX_URL="https://wheels.vllm.ai/0.32.0/${VLLM_CUDA} https://download.pytorch.org/whl/${VLLM_CUDA}" \
+    pip install --no-cache-dir ".[vllm]" \
+    && python -c "import serve_app.app, vllm, torch; assert torch.version.cuda.split('.')[0] == '${VLLM_CUDA}'[2:4], torch.version.cuda" \
     && test -x /home/ray/anaconda3/bin/forge-haproxy  # configs/gke.yaml: RAY_SERVE_HAPROXY_BINARY_PATH

@@ -243,9 +243,9 @@ variable "gpu_node_zones" {
 }
 
 variable "gpu_driver_version" {
-  description = "NVIDIA driver GKE installs on the T4 nodes: DEFAULT (the GKE version's default) or LATEST."
+  description = "NVIDIA driver GKE installs on the T4 nodes: LATEST (R570 or newer), or DEFAULT (the GKE version's default, which changes as the release channel moves the nodes). The GPU image's vLLM is the CUDA 12.9 build, which needs R525+ (images/cuda-drivers.yaml pairs the two; tests/deploy/test_terraform.py fails a setting whose lowest driver cannot run it)."
   type        = string
-  default     = "DEFAULT"
+  default     = "LATEST"
 
   validation {
     condition     = contains(["DEFAULT", "LATEST"], var.gpu_driver_version)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.deploy.conftest import ROOT, Tools
 
@@ -623,3 +624,75 @@ def test_secret_path_check_catches_the_unused_csi_add_on(tmp_path):
     rewrite(tree, GKE, "enabled = false", "enabled = true", after="secret_manager_config")
     append(tree, "outputs.tf", "# for the chart's SecretProviderClass\n")
     assert len(secret_path_problems(tree)) == 2
+
+
+# --- the T4 driver and the GPU image's CUDA ---------------------------------------------------
+
+CUDA_DRIVERS = ROOT / "images" / "cuda-drivers.yaml"
+GPU_DOCKERFILE = ROOT / "images" / "gpu.Dockerfile"
+
+
+def variable_default(name: str, tree: Path = TERRAFORM) -> str:
+    text = (tree / "variables.tf").read_text()
+    block = text[text.index(f'variable "{name}"') :]
+    return re.search(r'default\s*=\s*"([^"]*)"', block).group(1)
+
+
+def pinned_vllm() -> str:
+    return re.search(r'"vllm==([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+
+
+def driver_problems(dockerfile: str, setting: str, pairing: dict, vllm: str) -> list[str]:
+    """The driver GKE installs on the T4 nodes (terraform: gpu_driver_version) runs the CUDA the
+    GPU image's vLLM and torch were built for (issue 32, item 4): images/cuda-drivers.yaml
+    gives each CUDA major's lowest driver branch and each setting's lowest driver, or none
+    (DEFAULT changes with the GKE version, so no pairing can be stated for it)."""
+    arg = re.search(r"^ARG VLLM_CUDA=cu(\d\d)\d$", dockerfile, re.MULTILINE)
+    problems = []
+    if arg is None:
+        cuda = pairing["vllm_default_cuda"][vllm]
+        source = f"vLLM {vllm}'s default wheel"
+    else:
+        cuda = int(arg[1])
+        source = f"the image's VLLM_CUDA=cu{arg[1]}"
+        for index in (f"https://wheels.vllm.ai/{vllm}/${{VLLM_CUDA}}", "whl/${VLLM_CUDA}"):
+            if index not in dockerfile:
+                problems.append(f"gpu.Dockerfile installs without the index {index}")
+    needs = pairing["cuda_driver_floor"][cuda]
+    floor = pairing["gke_driver_floor"].get(setting)
+    if floor is None:
+        problems.append(
+            f"gpu_driver_version {setting}: no lowest driver can be stated, and {source} "
+            f"(CUDA {cuda}) needs R{needs}+"
+        )
+    elif floor < needs:
+        problems.append(
+            f"gpu_driver_version {setting} may install R{floor}; {source} (CUDA {cuda}) needs "
+            f"R{needs}+"
+        )
+    return problems
+
+
+def test_the_t4_driver_runs_the_images_cuda():
+    pairing = yaml.safe_load(CUDA_DRIVERS.read_text())
+    dockerfile = GPU_DOCKERFILE.read_text()
+    setting = variable_default("gpu_driver_version")
+    assert driver_problems(dockerfile, setting, pairing, pinned_vllm()) == []
+
+
+def test_driver_check_catches_cuda_13_and_an_unstated_driver():
+    pairing = yaml.safe_load(CUDA_DRIVERS.read_text())
+    dockerfile = GPU_DOCKERFILE.read_text()
+    vllm = pinned_vllm()
+    # As the files were: vLLM's default (CUDA 13) wheel on the GKE version's DEFAULT driver.
+    default_wheel = re.sub(r"^ARG VLLM_CUDA=.*\n", "", dockerfile, flags=re.MULTILINE)
+    (problem,) = driver_problems(default_wheel, "DEFAULT", pairing, vllm)
+    assert "no lowest driver can be stated" in problem and "CUDA 13" in problem
+    # CUDA 13 wants R580: LATEST's stated floor (570) is not enough.
+    cu130 = dockerfile.replace("ARG VLLM_CUDA=cu129", "ARG VLLM_CUDA=cu130")
+    (problem,) = driver_problems(cu130, "LATEST", pairing, vllm)
+    assert "needs R580+" in problem
+    # The CUDA 12 build on an unpinned driver, and an index of another vLLM release.
+    assert driver_problems(dockerfile, "DEFAULT", pairing, vllm)
+    other = dockerfile.replace(f"wheels.vllm.ai/{vllm}/", "wheels.vllm.ai/0.31.0/")
+    assert "without the index" in driver_problems(other, "LATEST", pairing, vllm)[0]

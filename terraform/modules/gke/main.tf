@@ -252,7 +252,8 @@ resource "google_container_node_pool" "gpu" {
       type  = "nvidia-tesla-t4"
       count = 1
 
-      # GKE installs the driver itself (no DaemonSet to manage).
+      # GKE installs the driver itself (no DaemonSet to manage): LATEST by default, a driver
+      # branch that runs the image's CUDA 12.9 vLLM (images/cuda-drivers.yaml).
       gpu_driver_installation_config {
         gpu_driver_version = var.gpu_driver_version
       }

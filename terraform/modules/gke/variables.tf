@@ -126,7 +126,7 @@ variable "gpu_node_zones" {
 }
 
 variable "gpu_driver_version" {
-  description = "GKE-installed NVIDIA driver: DEFAULT or LATEST."
+  description = "GKE-installed NVIDIA driver: DEFAULT or LATEST (the root module's default, LATEST, is paired with the GPU image's CUDA in images/cuda-drivers.yaml)."
   type        = string
-  default     = "DEFAULT"
+  default     = "LATEST"
 }
