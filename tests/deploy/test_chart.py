@@ -160,6 +160,8 @@ BROKEN_BUT_RENDERING = {
     "more-cpu-workers": {"workers": {"cpu": {"replicas": 3, "minReplicas": 3, "maxReplicas": 5}}},
     # Room for 3 T4 pods while the pools can ask 4 GPUs.
     "small-gpu-group": {"workers": {"gpu": {"maxReplicas": 3}}},
+    # The T4 pods left to KubeRay's readiness probe: Serve endpoints while their HAProxy is up.
+    "gpu-serve-endpoint": {"workers": {"gpu": {"serveEndpoint": True}}},
     # A key in the chart's values, in plain text.
     "literal-secret": {"extraEnv": [{"name": "GEMINI_API_KEY", "value": "AIza" + "x" * 35}]},
 }
@@ -1123,6 +1125,94 @@ def test_drain_arithmetic_catches_a_drain_cut_by_the_kubelet(renders):
     assert "gpu-t4: preStop 2s + Ray's drain 30.0s > grace 20s" in drain_problems(
         rayservice, deployments(renders["production"])
     )
+
+
+# --- the Serve Service: which pods KubeRay makes its endpoints ---------------------------------
+
+SERVE_LABEL = "ray.io/serve"
+NEVER_PASSES = (["false"], ["/bin/false"])
+
+
+def serve_endpoint_groups(rayservice: dict) -> set[str]:
+    """The groups whose pods can be endpoints of the Serve Service, as KubeRay 1.7.1 (the
+    release cluster/apps pins) builds it: the selector is ``ray.io/cluster=<cluster>,
+    ray.io/serve=true`` whatever ``spec.serveService`` says (common/service.go,
+    BuildServeService: "ignore any custom ServeService selectors or labels"); BuildPod
+    (common/pod.go) sets ``ray.io/serve=true`` on every RayService worker over the template's
+    labels; the controller sets the head's to its proxy's health, or false with
+    ``excludeHeadPodFromServeSvc``. So a worker is an endpoint while it is Ready, and its
+    readiness is KubeRay's probe (the raylet, then the Serve proxy's /-/healthz on :8000: up
+    whenever the pod's HAProxy is) unless its Ray container brings its own."""
+    spec = rayservice["spec"]
+    found = set()
+    for name, group in groups(rayservice).items():
+        if name == "headgroup":
+            if not spec.get("excludeHeadPodFromServeSvc", False):
+                found.add(name)
+            continue
+        labels = {**group["template"]["metadata"].get("labels", {}), SERVE_LABEL: "true"}
+        probe = ray_container(group["template"]["spec"]).get("readinessProbe")
+        never_ready = probe is not None and probe.get("exec", {}).get("command") in NEVER_PASSES
+        if labels[SERVE_LABEL] == "true" and not never_ready:
+            found.add(name)
+    return found
+
+
+def serve_endpoint_problems(rayservice: dict) -> list[str]:
+    """Only the on-demand gateway workers are Serve endpoints (issue 32, item 5): a spot T4 pod
+    in the Service relays client streams through HAProxy on a node that may be preempted with
+    30 s notice, and the head's relays load the pod whose loss is the cluster's."""
+    found = serve_endpoint_groups(rayservice)
+    spot = {
+        name
+        for name, spec in pod_specs(rayservice).items()
+        if spec.get("nodeSelector", {}).get("cloud.google.com/gke-spot") == "true"
+    }
+    cpu = {
+        name
+        for name, group in groups(rayservice).items()
+        if name != "headgroup" and "num-gpus" not in group.get("rayStartParams", {})
+    }
+    problems = [f"{name}: a spot group's pods are Serve endpoints" for name in sorted(found & spot)]
+    if "headgroup" in found:
+        problems.append("headgroup: the head is a Serve endpoint (excludeHeadPodFromServeSvc)")
+    problems += [
+        f"{name}: not a CPU gateway group" for name in sorted(found - cpu - spot - {"headgroup"})
+    ]
+    if not found & cpu:
+        problems.append("no CPU gateway group is a Serve endpoint: the Service has none")
+    return problems
+
+
+def test_only_the_cpu_gateways_are_serve_endpoints(rendered):
+    service = rendered.one("RayService")
+    assert serve_endpoint_groups(service) == {"cpu"}
+    assert serve_endpoint_problems(service) == []
+
+
+def test_serve_endpoint_check_catches_t4_pods_the_head_and_a_custom_selector(renders):
+    gpu_endpoint = renders["gpu-serve-endpoint"]
+    assert gpu_endpoint.error is None, gpu_endpoint.error
+    (problem,) = serve_endpoint_problems(gpu_endpoint.one("RayService"))
+    assert problem.startswith("gpu-t4: a spot group")
+    # As the chart rendered before: KubeRay's own probes everywhere and the head included. A
+    # selector in spec.serveService changes nothing: KubeRay overwrites it.
+    before = copy.deepcopy(renders["production"].one("RayService"))
+    del before["spec"]["excludeHeadPodFromServeSvc"]
+    for group in groups(before).values():
+        ray_container(group["template"]["spec"]).pop("readinessProbe", None)
+    before["spec"]["serveService"]["spec"]["selector"] = {
+        "app.kubernetes.io/component": "ray-worker-cpu"
+    }
+    assert serve_endpoint_groups(before) == {"headgroup", "cpu", "gpu-t4"}
+    assert len(serve_endpoint_problems(before)) == 2
+    # Nothing left at all.
+    nobody = copy.deepcopy(renders["production"].one("RayService"))
+    for group in groups(nobody).values():
+        ray_container(group["template"]["spec"])["readinessProbe"] = {
+            "exec": {"command": ["false"]}
+        }
+    assert "the Service has none" in serve_endpoint_problems(nobody)[-1]
 
 
 # --- pods: scheduling, service links, secrets ------------------------------------------------

@@ -378,6 +378,18 @@ spec:
         readOnlyRootFilesystem: {{ $values.securityContext.readOnlyRootFilesystem }}
         capabilities:
           drop: [ALL]
+      {{- if and (not .head) (not .group.serveEndpoint) }}
+      # Never Ready, so never an endpoint of the Serve Service (values: serveEndpoint): KubeRay
+      # labels every worker ray.io/serve=true, and readiness is what it leaves to decide. With a
+      # probe here KubeRay injects none (its raylet and proxy check); liveness stays KubeRay's.
+      # Nothing else reads a worker's readiness: Ray's autoscaler and KubeRay's switch go by the
+      # Ray container running and the Serve applications' status.
+      readinessProbe:
+        exec:
+          command: ["false"]
+        periodSeconds: 300
+        failureThreshold: 1
+      {{- end }}
       # exec, not the sleep action: KubeRay's CRD prunes fields its embedded pod schema predates.
       lifecycle:
         preStop:
