@@ -20,7 +20,7 @@ from typing import Protocol
 
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.admission.scheduler import FairScheduler, SchedulerSnapshot, TenantShare
+from serve_app.admission.scheduler import FairScheduler, SchedulerSnapshot, Shed, TenantShare
 from serve_app.config.models import AdmissionConfig, TenantConfig
 
 # ("claim", lease_id, tenant, tier) | ("park", lease_id) | ("release", lease_id): plain tuples,
@@ -190,7 +190,10 @@ class ServeSchedulerClient:
         ops: Sequence[SlotOp] = (),
         wait_s: float | None = None,
     ) -> Lease:
-        lease_id, ttl_s, contended = await self._call("acquire", tenant, tier, list(ops), wait_s)
+        reply = await self._call("acquire", tenant, tier, list(ops), wait_s)
+        if isinstance(reply, Shed):  # a refusal crosses as a value (``SchedulerDeployment``)
+            raise reply
+        lease_id, ttl_s, contended = reply
         return Lease(lease_id, ttl_s, contended)
 
     async def sync(self, ops: Sequence[SlotOp]) -> SyncReply:

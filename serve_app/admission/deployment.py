@@ -23,6 +23,7 @@ from serve_app.admission.client import (
     apply_ops,
     fair_scheduler,
 )
+from serve_app.admission.scheduler import Shed
 from serve_app.config.digest import settings_digest
 from serve_app.config.models import AdmissionConfig, TenantConfig
 from serve_app.metrics import gauge
@@ -112,10 +113,16 @@ class SchedulerDeployment:
         tier: str | None,
         ops: Sequence[SlotOp] = (),
         wait_s: float | None = None,
-    ) -> tuple[str, float, bool]:
-        """A lease id, its TTL and whether the pool was contended, or ``scheduler.Shed``
-        (raised through the handle)."""
-        lease = await self._ready().acquire(tenant, tier, ops, wait_s)
+    ) -> tuple[str, float, bool] | Shed:
+        """A lease id, its TTL and whether the pool was contended, or the ``Shed`` refusal
+        *returned*, not raised: an exception that leaves a replica is logged by Serve with its
+        formatted traceback and rebuilt as a ``RayTaskError`` in the caller, which under a flood
+        was half of this replica's busy CPU (py-spy: ``Logger.exception`` 11 % of all samples,
+        ``docs/benchmarks.md``, "Cheap shedding"). ``ServeSchedulerClient`` raises it there."""
+        try:
+            lease = await self._ready().acquire(tenant, tier, ops, wait_s)
+        except Shed as shed:
+            return shed
         return lease.lease_id, lease.ttl_s, lease.contended
 
     async def sync(self, ops: list[SlotOp]) -> tuple[bool, tuple[str, ...]]:

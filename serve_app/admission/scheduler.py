@@ -59,6 +59,12 @@ weighted mean (α = 0.2) of the hold times of released leases (expired leases ar
 hold times, and are left out); 1 s until the first release. The 1 s floor matches HTTP's
 whole-second ``Retry-After`` and keeps a shed client from retrying hot.
 
+Refusals repeated by the gateway: a tenant refused for a full queue is refused again by the
+gateway replica itself for ``refusal_repeat_s`` (about the time its queue needs to drain to half),
+so a flood's retries cost one scheduler call per window instead of one each, and the tenant's
+slots never sit idle for it. Refusals travel to the gateway as returned values, not raised
+exceptions (``deployment.py`` says why).
+
 Parked slots: a gateway replica may keep a slot it has finished with for its next request
 instead of handing it back (``park``), and later give it to that request's tenant (``claim``), so
 an uncontended pool admits without a round trip to the scheduler. A parked slot stays in the
@@ -89,6 +95,7 @@ PARKED = ""  # the tenant of a slot parked on a gateway replica between two requ
 HOLD_EWMA_ALPHA = 0.2
 UNKNOWN_HOLD_S = 1.0
 MIN_RETRY_AFTER_S = 1.0
+MAX_REFUSAL_REPEAT_S = 1.0  # never past the Retry-After floor
 
 
 def tenant_cap(max_inflight: int, max_tenant_share: float) -> int:
@@ -126,17 +133,23 @@ class Grant:
 
 
 class Shed(Exception):
-    """The request was not admitted; the gateway answers 429 with ``Retry-After``."""
+    """The request was not admitted; the gateway answers 429 with ``Retry-After``.
 
-    def __init__(self, reason: ShedReason, retry_after_s: float, tenant: str = "") -> None:
+    ``repeat_s``: how long a gateway may give the tenant the same answer without asking again
+    (``refusal_repeat_s``); 0 where the refusal says nothing about the next request."""
+
+    def __init__(
+        self, reason: ShedReason, retry_after_s: float, tenant: str = "", repeat_s: float = 0.0
+    ) -> None:
         super().__init__(f"shed ({reason}) for tenant {tenant!r}, retry after {retry_after_s:.1f}s")
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.tenant = tenant
+        self.repeat_s = repeat_s
 
     def __reduce__(self):
-        # Raised inside the scheduler actor and re-raised in the gateway: pickle every field.
-        return (Shed, (self.reason, self.retry_after_s, self.tenant))
+        # Made inside the scheduler replica and raised in the gateway: pickle every field.
+        return (Shed, (self.reason, self.retry_after_s, self.tenant, self.repeat_s))
 
 
 @dataclass(frozen=True)
@@ -483,7 +496,19 @@ class FairScheduler:
 
     def _shed_now(self, tenant: str, reason: ShedReason) -> Shed:
         self._shed[(tenant, reason)] += 1
-        return Shed(reason, self.retry_after_s(), tenant)
+        repeat_s = self.refusal_repeat_s(tenant) if reason == "queue_full" else 0.0
+        return Shed(reason, self.retry_after_s(), tenant, repeat_s)
+
+    def refusal_repeat_s(self, tenant: str) -> float:
+        """How long ``tenant``'s full queue stays at least half full at its own turnover
+        (``inflight / mean_hold_s`` grants a second): while it does, a gateway may refuse the
+        tenant's next requests itself. The tenant loses no slot by it (its queue never runs
+        dry), and a flood's repeats cost the scheduler nothing. 0 before the first hold time."""
+        if self._mean_hold_s is None:
+            return 0.0
+        queued = self._queued_tenant[tenant]
+        turnover_s = self._mean_hold_s / max(1, self._inflight[tenant])
+        return min(MAX_REFUSAL_REPEAT_S, turnover_s * queued / 2)
 
     def _enqueue(self, waiter: _Waiter) -> None:
         self._queues[waiter.tier].setdefault(waiter.tenant, deque()).append(waiter)

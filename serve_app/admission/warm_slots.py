@@ -13,6 +13,10 @@ thus admits in microseconds, and the scheduler's fair queues take over as soon a
   parked plus in use across every gateway replica, and a dead replica's leases expire as before;
 - a tenant takes a parked slot only while it holds fewer than its cap on this replica.
 
+A tenant the scheduler refused for a full queue is refused here for the ``repeat_s`` the
+refusal carries (a fraction of a second: its queue is still at least half full meanwhile), with
+no call: a flood's retries then cost this replica no round trip and the scheduler nothing.
+
 The price: for one round trip after a queue forms (the watch's news), this replica may still
 admit from its parked slots, and on the fast path a tenant's cap is enforced per replica (the
 scheduler counts claims when they arrive).
@@ -65,6 +69,7 @@ class WarmSlots:
         self._sweep: asyncio.TimerHandle | None = None
         self._watch: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
+        self._refused: dict[str, tuple[float, Shed]] = {}  # tenant → (until, its refusal)
 
     # -- the admission stage's calls -------------------------------------------------------------
 
@@ -81,15 +86,24 @@ class WarmSlots:
 
     async def acquire(self, tenant: str, tier: str, wait_s: float | None = None) -> Lease:
         """A slot from the scheduler (maybe after a wait in the tenant's queue, ``wait_s`` at
-        most where given), or ``Shed``."""
+        most where given), or ``Shed`` (the scheduler's, or its refusal repeated here)."""
+        refused = self._refused.get(tenant)
+        if refused is not None:
+            if self._clock() < refused[0]:
+                shed = refused[1]  # a new one: a re-raised exception keeps growing its traceback
+                raise Shed(shed.reason, shed.retry_after_s, tenant)
+            del self._refused[tenant]
         ops = self._take_ops()
         try:
             lease = await self.client.acquire(tenant, tier, ops, wait_s)
-        except BaseException as exc:
-            # Shed: the ops were applied first. Anything else may not have reached the
-            # scheduler: send them again (claim, park and release are safe to repeat).
-            if not isinstance(exc, Shed):
-                self._requeue(ops)
+        except Shed as shed:  # the ops were applied first
+            if shed.repeat_s > 0:
+                self._refused[tenant] = (self._clock() + shed.repeat_s, shed)
+            raise
+        except BaseException:
+            # It may not have reached the scheduler: send the ops again (claim, park and
+            # release are safe to repeat).
+            self._requeue(ops)
             raise
         self._ttl_s = lease.ttl_s
         if lease.contended:

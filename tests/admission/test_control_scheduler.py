@@ -100,3 +100,19 @@ def test_every_method_a_handle_calls_runs_on_the_replicas_event_loop():
         if not inspect.iscoroutinefunction(SchedulerDeployment.__dict__[name])
     ]
     assert plain == [], f"these would run off the event loop: {plain}"
+
+
+async def test_a_refusal_crosses_the_handle_as_a_value_and_is_raised_on_the_gateway_side():
+    """Serve logs every exception that leaves a replica, traceback formatted, and the caller
+    rebuilds it as a ``RayTaskError``: under a flood of 429s that was half the scheduler's busy
+    CPU. The replica returns the refusal; the gateway's client raises it, fields intact."""
+    scheduler = SchedulerDeployment("primary", ADMISSION | {"queue_cap": 0}, TENANTS)
+    await scheduler.acquire("alpha", None)  # the one slot
+    refusal = await scheduler.acquire("alpha", None)
+    assert isinstance(refusal, Shed) and refusal.reason == "queue_full"
+
+    client = ServeSchedulerClient(InProcessHandle(scheduler))
+    with pytest.raises(Shed) as shed:
+        await client.acquire("alpha", None)
+    assert (shed.value.reason, shed.value.tenant) == ("queue_full", "alpha")
+    assert shed.value.retry_after_s > 0

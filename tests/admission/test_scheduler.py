@@ -385,8 +385,37 @@ async def test_retry_after_is_positive_and_follows_hold_time_and_queue():
 
 
 def test_shed_survives_pickling_across_the_actor_boundary():
-    shed = pickle.loads(pickle.dumps(Shed("queue_full", 2.5, "acme")))
-    assert (shed.reason, shed.retry_after_s, shed.tenant) == ("queue_full", 2.5, "acme")
+    shed = pickle.loads(pickle.dumps(Shed("queue_full", 2.5, "acme", 0.25)))
+    assert (shed.reason, shed.retry_after_s, shed.tenant, shed.repeat_s) == (
+        "queue_full",
+        2.5,
+        "acme",
+        0.25,
+    )
+
+
+async def test_a_full_queue_may_be_refused_again_while_it_stays_half_full():
+    """A tenant holding 2 slots at 0.4 s a hold turns one over every 0.2 s: its 4 queued
+    requests stay at least 2 deep for 0.4 s, so gateways may refuse it themselves that long."""
+    clock = Clock()
+    sched = FairScheduler(2, default_tenant=TenantShare(queue_cap=4), clock=clock)
+    first = await sched.acquire("flood", deadline_s=LONG)
+    await sched.acquire("flood", deadline_s=LONG)
+    with pytest.raises(Shed) as unknown:
+        await sched.acquire("flood", deadline_s=0)  # the deadline's refusal says nothing more
+    assert unknown.value.repeat_s == 0.0
+    clock.now = 0.4
+    sched.release(first.lease_id)  # one 0.4 s hold observed
+    await sched.acquire("flood", deadline_s=LONG)
+    waiters = [asyncio.create_task(sched.acquire("flood", deadline_s=LONG)) for _ in range(4)]
+    await settle()
+    with pytest.raises(Shed) as full:
+        await sched.acquire("flood", deadline_s=LONG)
+    assert full.value.reason == "queue_full"
+    assert full.value.repeat_s == pytest.approx(0.4 / 2 * 4 / 2)
+    for task in waiters:
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
 
 
 @pytest.mark.parametrize(

@@ -194,3 +194,42 @@ async def test_sync_reply_names_lost_leases():
     client = pool()
     reply = await client.sync([("claim", "nope", "a", "interactive"), ("release", "gone")])
     assert reply == SyncReply(contended=False, lost=("nope",))
+
+
+async def test_a_tenant_refused_for_a_full_queue_is_refused_here_while_the_queue_drains():
+    """The flood's retries within the refusal's repeat window never reach the scheduler; the
+    next one after it does, and another tenant is never refused on the flood's account."""
+    clock = [0.0]
+    scheduler = FairScheduler(1, default_tenant=TenantShare(queue_cap=1))
+    client = LocalSchedulerClient(scheduler, deadline_s=5)
+    gateway = WarmSlots(client, tenant_cap=1, keep_warm_s=0, clock=lambda: clock[0])
+    asked: list[str] = []
+    acquire = client.acquire
+
+    async def counted(tenant, *args):
+        asked.append(tenant)
+        return await acquire(tenant, *args)
+
+    client.acquire = counted
+    held = await gateway.acquire("flood", "interactive")
+    scheduler._mean_hold_s = 0.4  # the flood's holds, as observed: a 0.1 s repeat window
+    queued = asyncio.create_task(gateway.acquire("flood", "interactive"))
+    await eventually_async(lambda: scheduler.queued_total == 1, timeout_s=2, what="queued")
+    for _ in range(3):
+        with pytest.raises(Shed) as shed:
+            await gateway.acquire("flood", "interactive")
+        assert (shed.value.reason, shed.value.tenant) == ("queue_full", "flood")
+    assert asked == ["flood", "flood", "flood"], "two repeats answered here, not asked"
+    assert scheduler.snapshot().shed == {("flood", "queue_full"): 1}
+
+    light = asyncio.create_task(gateway.acquire("light", "interactive"))
+    await eventually_async(lambda: scheduler.queued_total == 2, timeout_s=2, what="light")
+    assert asked[-1] == "light"
+    clock[0] = 0.2  # past the window: the scheduler is asked again
+    with pytest.raises(Shed):
+        await gateway.acquire("flood", "interactive")
+    assert asked[-1] == "flood" and len(asked) == 5
+    gateway.release(held.lease_id)
+    for task in (queued, light):
+        task.cancel()
+    await asyncio.gather(queued, light, return_exceptions=True)
