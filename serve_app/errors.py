@@ -82,6 +82,19 @@ def model_not_found(model: str) -> ForgeError:
     )
 
 
+def adapter_not_found(model: str, adapter: str) -> ForgeError:
+    """``<model>:<adapter>`` where the model is served but has no such adapter (or not for
+    this tenant): OpenAI's 404 for a model, naming the adapter asked for."""
+    return ForgeError(
+        404,
+        f"The adapter `{adapter}` of model `{model}` does not exist or you do not have access "
+        "to it.",
+        type="invalid_request_error",
+        code="model_not_found",
+        param="model",
+    )
+
+
 def wrong_route(model: str, embeddings: bool) -> ForgeError:
     """A known model asked on a route it does not serve (a chat model's embeddings, or the
     reverse): the client's mistake, named, instead of a backend's confusion."""

@@ -78,6 +78,7 @@ class RequestContext:
     turn: Any = None  # the dialect's own state for this request, set as it translates the body
     # Where the model name leads (``traffic.policy.Target``), set by parse for a served model.
     target: Target | None = None
+    adapter: str | None = None  # the LoRA adapter serving it (``serve_app/adapters.py``)
     # The first backend that failed the request or was routed around (its breaker open, or
     # scaled to zero): a variant's pool that could not serve it (``stages/telemetry.py``).
     first_failure: str | None = None

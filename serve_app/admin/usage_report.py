@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from serve_app.adapters import split_adapter_model
+
 ADMIN_KEY_ENV = "FORGE_ADMIN_KEY"
 _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 
@@ -70,8 +72,12 @@ def _error_message(response) -> str:
 
 
 def _costed(line: dict, prices: dict) -> dict:
-    """A report line and its cost at the response's prices (None: the model has no price)."""
+    """A report line and its cost at the response's prices (None: the model has no price).
+    An adapter's line (``<model>:<adapter>``) takes the adapter's own price, else its model's."""
+    base, adapter = split_adapter_model(line["model"])
     price = prices.get(line["model"])
+    if price is None and adapter is not None:
+        price = prices.get(base)
     cost = None
     if price is not None:
         cost = (
@@ -79,7 +85,7 @@ def _costed(line: dict, prices: dict) -> dict:
             + line["completion_tokens"] / 1e6 * price["completion_per_million"]
             + line["cached_tokens"] / 1e6 * price["cached_per_million"]
         )
-    return {**line, "cost": cost}
+    return {**line, "adapter": adapter, "cost": cost}
 
 
 def _total(rows: list[dict]) -> dict:

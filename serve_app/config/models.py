@@ -85,6 +85,25 @@ class TenantConfig(_Strict):
     # The models this tenant may call (pools' models and ``models:`` entries); any other is a
     # 404 to it, as if it did not exist, and /v1/models lists only these. None: every one.
     models: list[Annotated[str, Field(min_length=1)]] | None = None
+    # LoRA adapters this tenant is bound to, by base model: its requests for that model (by
+    # its name or an alias of its pool) are served by the adapter (``serve_app/adapters.py``).
+    adapters: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(pattern=_NAME)]] = (
+        Field(default_factory=dict)
+    )
+
+
+class AdapterConfig(_Strict):
+    """A LoRA adapter the pool's replicas load on demand, called as ``<model>:<name>``
+    (``docs/adapters.md``). In PEFT's format: a directory with ``adapter_config.json`` and
+    ``adapter_model.safetensors``."""
+
+    name: Annotated[str, Field(pattern=_NAME)]
+    # Where the replicas read it: a local directory (the simulator only names it); on the
+    # cluster, a directory of the weights bucket as the replica's node mounts it.
+    path: Annotated[str, Field(min_length=1)]
+    # The tenants who may call it by name (``<model>:<name>`` or a models: entry), besides
+    # those bound to it; None: every tenant that may call the pool's model.
+    tenants: list[Annotated[str, Field(pattern=_NAME)]] | None = None
 
 
 class SimulatedEngineConfig(_Strict):
@@ -105,6 +124,10 @@ class SimulatedEngineConfig(_Strict):
     max_num_batched_tokens: Annotated[int, Field(gt=0)] = 2048
     # Length of the vectors a ``task: embed`` pool returns (``engines/embeddings.py``).
     embedding_dim: Annotated[int, Field(gt=0)] = 384
+    # LoRA adapters resident at once (vLLM's max_loras): a batch holds requests of at most
+    # this many adapters; another waits for a slot, and loading one costs adapter_load_s.
+    max_loras: Annotated[int, Field(gt=0)] = 4
+    adapter_load_s: Annotated[float, Field(ge=0)] = 0.0
 
     @model_validator(mode="after")
     def _ranges(self) -> SimulatedEngineConfig:
@@ -139,6 +162,10 @@ class VLLMEngineConfig(_Strict):
     # vLLM's own vllm:* metrics go to Ray's metrics agent (and so to the cluster's Prometheus),
     # as Ray Serve LLM does; off, they stay in the replica process's Prometheus registry.
     export_metrics_to_ray: bool = True
+    # LoRA (only with the pool's ``adapters``): adapters in one batch, and the largest rank
+    # any of them has (vLLM sizes its LoRA buffers by it; one of vLLM's choices).
+    max_loras: Annotated[int, Field(gt=0)] = 4
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
     engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -324,6 +351,8 @@ class PoolConfig(_Strict):
     fallback: bool = True
     admission: AdmissionConfig | None = None
     routing: RoutingConfig = RoutingConfig()
+    # LoRA adapters over the pool's model, each called as ``<model>:<name>``.
+    adapters: list[AdapterConfig] = Field(default_factory=list)
     # Ray Serve deployment options, passed through (num_replicas, autoscaling_config,
     # ray_actor_options, max_ongoing_requests, graceful_shutdown_timeout_s, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
@@ -360,6 +389,22 @@ class PoolConfig(_Strict):
             data = {**data, "fallback": False}
         return data
 
+    @model_validator(mode="after")
+    def _adapters(self) -> PoolConfig:
+        if not self.adapters:
+            return self
+        where = f"pool {self.name}: adapters"
+        if self.task != "generate":
+            raise ValueError(f"{where}: LoRA adapters serve generation pools only (task: generate)")
+        names = [a.name for a in self.adapters]
+        dupes = sorted(n for n, count in Counter(names).items() if count > 1)
+        if dupes:
+            raise ValueError(f"{where}: duplicate names {dupes}")
+        return self
+
+    def adapter(self, name: str) -> AdapterConfig | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
     def context_limit(self) -> int | None:
         """The context window the gateway routes by: the one written here, else (a pool in the
         gateway's own application) its engine's max_model_len."""
@@ -384,6 +429,7 @@ POOL_APP_FIELDS = frozenset({"engine", "routing", "deployment"})
 # What both the gateway's entry for a pool and the pool's own application read: one value,
 # held equal across the two by ``serve_config_forge`` (``forge config check``).
 POOL_SHARED_FIELDS = (
+    "adapters",
     "name",
     "model",
     "task",
@@ -692,10 +738,36 @@ class ForgeConfig(_Strict):
                 f"models.{i}", pools, self.fallback is not None, public
             )
             public.add(policy.name)
+        by_model = {p.model: p for p in self.pools}
+        adapters = {f"{p.model}:{a.name}" for p in self.pools for a in p.adapters}
+        tenants = {t.name for t in self.tenants}
+        for i, policy in enumerate(self.models):
+            for j, variant in enumerate(policy.variants):
+                pool = next((p for p in self.pools if p.name == variant.pool), None)
+                if variant.adapter is not None and pool is not None:
+                    if pool.adapter(variant.adapter) is None:
+                        problems.append(
+                            f"models.{i}.variants.{j}.adapter: pool {pool.name!r} has no adapter "
+                            f"named {variant.adapter!r}"
+                        )
         for i, tenant in enumerate(self.tenants):
-            unknown = sorted(set(tenant.models or ()) - public)
+            unknown = sorted(set(tenant.models or ()) - public - adapters)
             if unknown:
                 problems.append(f"tenants.{i}.models: no model is named {unknown}")
+            for model, name in tenant.adapters.items():
+                pool = by_model.get(model)
+                if pool is None:
+                    problems.append(f"tenants.{i}.adapters.{model}: no pool serves {model!r}")
+                elif pool.adapter(name) is None:
+                    problems.append(
+                        f"tenants.{i}.adapters.{model}: pool {pool.name!r} has no adapter "
+                        f"named {name!r}"
+                    )
+        for i, pool in enumerate(self.pools):
+            for j, adapter in enumerate(pool.adapters):
+                unknown = sorted(set(adapter.tenants or ()) - tenants)
+                if unknown and self.tenants:  # tenants listed live (user_config) are not here
+                    problems.append(f"pools.{i}.adapters.{j}.tenants: no tenant is named {unknown}")
         if problems:
             raise ValueError("\n  ".join(problems))
         return self

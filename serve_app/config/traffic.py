@@ -42,6 +42,9 @@ class Variant(Strict):
     name: Annotated[str, Field(pattern=NAME)]  # "stable", "canary", "v2": a metric label
     pool: Annotated[str, Field(pattern=NAME)]
     weight: Annotated[float, Field(ge=0, le=100)] = 100.0  # percent of the model's traffic
+    # A LoRA adapter of the pool that serves this variant (``pools.adapters``): an alias of
+    # an adapter, or a canary between an adapter's versions.
+    adapter: Annotated[str, Field(pattern=NAME)] | None = None
 
 
 class ShadowConfig(Strict):

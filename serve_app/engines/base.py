@@ -13,7 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 Kind = Literal["chat", "completion", "embedding"]
@@ -52,6 +52,14 @@ class EngineStats:
     max_num_seqs: int
     generation_tokens: int = 0  # cumulative, as vllm:generation_tokens_total
     prompt_tokens: int = 0  # cumulative, as vllm:prompt_tokens_total
+    # LoRA, as vllm:lora_requests_info says it (max_lora, running and waiting adapters, here
+    # with their request counts), plus the adapters loaded now (least recently used first)
+    # and how many loads there were: what adapter-aware routing reads (``routing/adapters.py``).
+    max_loras: int = 0
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    lora_adapters: list[str] = field(default_factory=list)
+    lora_loads: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 import orjson
 
 from serve_app import errors, tokenizer
+from serve_app.adapters import request_adapter
 from serve_app.config.models import SimulatedEngineConfig
 from serve_app.engines.base import AbandonedUsage, Engine, EngineStats, Kind, Usage
 from serve_app.engines.embeddings import (
@@ -38,8 +39,10 @@ class SimulatedEngine(Engine):
         config: SimulatedEngineConfig,
         default_max_tokens: int,
         kv_events: KvEventPublisher | None = None,
+        adapters: Collection[str] = (),
     ) -> None:
         self.model = model
+        self.adapters = frozenset(adapters)  # the pool's LoRA adapters, by name
         self.config = config
         self.default_max_tokens = default_max_tokens
         self._serial = 0
@@ -56,6 +59,8 @@ class SimulatedEngine(Engine):
                 output_tokens_min=config.output_tokens_min,
                 output_tokens_max=config.output_tokens_max,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                max_loras=config.max_loras,
+                adapter_load_s=config.adapter_load_s,
             )
         )
         self.llm.events = kv_events
@@ -68,6 +73,7 @@ class SimulatedEngine(Engine):
         by ``stop`` and ``response_format`` (``output_rules.py``); with the flag a stop string
         sets when it ends the generation."""
         ids, max_tokens = self._prepare(body, kind)
+        adapter = self._adapter(body)
         # Client request ids may repeat; the engine's must not (vLLM suffixes them too).
         self._serial += 1
         stopped = _StopFlag()
@@ -80,10 +86,18 @@ class SimulatedEngine(Engine):
                 ignore_eos=bool(body.get("ignore_eos")),
                 # A stop string ends the generation by aborting it: finished, not abandoned.
                 on_abort=lambda usage: stopped or self.abandoned.record(request_id, usage),
+                adapter=adapter,
             )
         except ValueError as exc:
             raise errors.invalid_request(str(exc), code="context_length_exceeded") from None
         return ids, _shaped(tokens, body, stopped), stopped
+
+    def _adapter(self, body: dict) -> str | None:
+        """The request's LoRA adapter, one of the pool's (a 404 naming it otherwise)."""
+        adapter = request_adapter(body)
+        if adapter is not None and adapter not in self.adapters:
+            raise errors.adapter_not_found(self.model, adapter)
+        return adapter
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
         field = "messages" if kind == "chat" else "prompt"
@@ -126,6 +140,7 @@ class SimulatedEngine(Engine):
             seed_text=None if body.get("seed") is None else str(body["seed"]),
             ignore_eos=True,
             on_abort=lambda usage: self.abandoned.record(request_id, usage),
+            adapter=self._adapter(body),
         )
         finish = "tool_calls" if len(pieces) <= max_tokens else "length"
         return ids, tokens, pieces[:max_tokens], finish
@@ -324,6 +339,11 @@ class SimulatedEngine(Engine):
             max_num_seqs=self.config.max_num_seqs,
             generation_tokens=llm.generation_tokens,
             prompt_tokens=llm.prompt_tokens,
+            max_loras=self.config.max_loras if self.adapters else 0,
+            running_lora_adapters=llm.running_adapters(),
+            waiting_lora_adapters=llm.waiting_adapters(),
+            lora_adapters=llm.resident_adapters(),
+            lora_loads=llm.adapter_loads,
         )
 
     def cached_block_hashes(self) -> list[int]:

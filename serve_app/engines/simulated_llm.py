@@ -22,6 +22,13 @@ Chunked prefill, as vLLM's scheduler does by default: each step has a budget of
 ``max_num_batched_tokens``; running decodes take one token each, then prefills under way take
 chunks in admission order, then waiting requests are admitted while budget, slots and blocks
 last. A request's first token comes at the end of the step that computes its last chunk.
+
+LoRA adapters, as vLLM's scheduler and LRU adapter cache treat them: at most ``max_loras``
+adapters are resident; a waiting request whose adapter is not resident takes a free slot or
+the least recently used adapter no running request uses, and the step that loads it costs
+``adapter_load_s`` more; when every slot is in use it is skipped (the requests behind it may
+go first, as vLLM skips it). An adapter changes the output (its name seeds the tokens) and the
+prefix cache's keys (vLLM hashes a block with its request's LoRA name), never the timing.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class SimulatedLLMConfig:
     output_tokens_max: int = 64
     # Tokens computed per step (decodes count one each); vLLM's default for its API server.
     max_num_batched_tokens: int = 2048
+    # Resident LoRA adapters (vLLM's max_loras) and what loading one adds to its step.
+    max_loras: int = 4
+    adapter_load_s: float = 0.0
 
     def __post_init__(self) -> None:
         # Fail at construction, naming the field, rather than deadlock or divide by zero later.
@@ -110,15 +120,29 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _output_seed(prompt_token_ids: Sequence[int], seed_text: str | None) -> int:
-    """Digest of the prompt (and seed text): the same in every process, unlike ``hash``."""
+def _output_seed(
+    prompt_token_ids: Sequence[int], seed_text: str | None, adapter: str | None = None
+) -> int:
+    """Digest of the prompt (and seed text, and adapter): the same in every process, unlike
+    ``hash``. An adapter's answer to a prompt is its own, as a fine-tune's is."""
     ids = array("q", prompt_token_ids)
     if sys.byteorder != "little":
         ids.byteswap()
     digest = hashlib.blake2b(ids.tobytes(), digest_size=8)
     if seed_text is not None:
         digest.update(b"\x00" + seed_text.encode())
+    if adapter is not None:
+        digest.update(b"\x01" + adapter.encode())
     return int.from_bytes(digest.digest(), "little")
+
+
+def _adapter_salted(hashes: tuple[int, ...], adapter: str | None) -> tuple[int, ...]:
+    """Block hashes of a request served by ``adapter``: vLLM adds the LoRA name to every
+    block's hash, so an adapter's cached prefix is never the base model's (or another's)."""
+    if adapter is None:
+        return hashes
+    salt = int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest(), "little")
+    return tuple(_mix64(h ^ salt) for h in hashes)
 
 
 def _block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
@@ -252,6 +276,7 @@ class _Request:
     """
 
     __slots__ = (
+        "adapter",
         "block_hashes",
         "last_finish_reason",
         "num_anonymous_blocks",
@@ -284,8 +309,10 @@ class _Request:
         num_final_blocks: int,
         on_abort: Callable[[Usage], None] | None = None,
         pooling: bool = False,
+        adapter: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.adapter = adapter
         self.pooling = pooling
         self.on_abort = on_abort
         self.num_prompt_tokens = num_prompt_tokens
@@ -384,6 +411,11 @@ class SimulatedLLM:
         self._prefix_cache_hits = 0
         self._generation_tokens = 0
         self._steps = 0  # for tests: proves the loop idles instead of spinning
+        # LoRA: resident adapters, least recently used first; running requests per adapter.
+        self._adapters: OrderedDict[str, None] = OrderedDict()
+        self._adapter_running: dict[str, int] = {}
+        self._adapter_loads = 0  # cumulative
+        self._step_loads = 0  # adapters the step being scheduled loads
         self._events: KvEventPublisher | None = None
         self._emitting: list[_Request] = []  # this step's token receivers (``_schedule``)
 
@@ -440,6 +472,27 @@ class SimulatedLLM:
         stops adding to it at once."""
         return self._generation_tokens
 
+    @property
+    def adapter_loads(self) -> int:
+        """Adapters loaded into a slot, cumulative (each costs ``adapter_load_s``)."""
+        return self._adapter_loads
+
+    def resident_adapters(self) -> list[str]:
+        """The adapters loaded now, least recently used first."""
+        return list(self._adapters)
+
+    def running_adapters(self) -> dict[str, int]:
+        """Running requests per adapter (vllm:lora_requests_info's running_lora_adapters)."""
+        return {a: n for a, n in self._adapter_running.items() if n}
+
+    def waiting_adapters(self) -> dict[str, int]:
+        """Waiting requests per adapter (vllm:lora_requests_info's waiting_lora_adapters)."""
+        waiting: dict[str, int] = {}
+        for request in self._waiting.values():
+            if request.adapter is not None:
+                waiting[request.adapter] = waiting.get(request.adapter, 0) + 1
+        return waiting
+
     def cached_block_hashes(self) -> list[int]:
         """Hashes of the prompt blocks in the prefix cache (in use or evictable): what a
         KV-aware router needs to know which replica already holds a prefix."""
@@ -459,6 +512,7 @@ class SimulatedLLM:
         ignore_eos: bool = False,
         on_abort: Callable[[Usage], None] | None = None,
         pooling: bool = False,
+        adapter: str | None = None,
     ) -> AsyncIterator[TokenOutput]:
         """Validate now, return a stream of tokens that queues the request when first iterated.
 
@@ -471,6 +525,8 @@ class SimulatedLLM:
         cancelling its consumer aborts the request at once, and ``on_abort`` hears what the
         aborted request cost: its prompt if it was prefilled, and every token generated for
         it (delivered or not), exactly what the engine's counters added.
+
+        ``adapter``: the LoRA adapter that serves it (the module docstring says how).
 
         ``pooling``: an embedding, as vLLM's pooling runner serves one: a slot and KV blocks for
         the prefill, then one output (the pooled state, here a token) that is no generated token.
@@ -488,7 +544,7 @@ class SimulatedLLM:
                 f"max_tokens {max_tokens}, block_size {cfg.block_size}) but the cache has only "
                 f"{cfg.num_kv_blocks}; shorten the prompt or lower max_tokens"
             )
-        seed = _output_seed(prompt_token_ids, seed_text)
+        seed = _output_seed(prompt_token_ids, seed_text, adapter)
         span = cfg.output_tokens_max - cfg.output_tokens_min + 1
         # ignore_eos (a vLLM sampling parameter): the model never stops on its own.
         if ignore_eos or pooling:
@@ -499,13 +555,14 @@ class SimulatedLLM:
         request = _Request(
             request_id=request_id,
             num_prompt_tokens=num_prompt,
-            block_hashes=_block_hashes(prompt_token_ids, cfg.block_size),
+            block_hashes=_adapter_salted(_block_hashes(prompt_token_ids, cfg.block_size), adapter),
             seed=seed,
             num_output_tokens=num_output,
             last_finish_reason="length" if ignore_eos or max_tokens < natural else "stop",
             num_final_blocks=_ceil_div(num_prompt + num_output, cfg.block_size),
             on_abort=on_abort,
             pooling=pooling,
+            adapter=adapter,
         )
         return self._stream(request)
 
@@ -576,6 +633,8 @@ class SimulatedLLM:
         prefilled = request.state == _RUNNING
         if prefilled:
             del self._running[request.request_id]
+            if request.adapter is not None:
+                self._adapter_running[request.adapter] -= 1
             self._pool.release(
                 request.block_hashes,
                 request.num_anonymous_blocks,
@@ -613,6 +672,7 @@ class SimulatedLLM:
                 delay = cfg.decode_base_s + cfg.decode_per_seq_s * len(self._running)
                 if prefill_tokens:
                     delay += cfg.prefill_base_s + cfg.prefill_per_token_s * prefill_tokens
+                delay += cfg.adapter_load_s * self._step_loads  # its workers load them first
                 self._steps += 1
                 await asyncio.sleep(delay * self._slow_factor)
                 self._emit()
@@ -630,6 +690,7 @@ class SimulatedLLM:
         those whose last prefill chunk is in this step (``_emitting``).
         """
         budget = self._config.max_num_batched_tokens
+        self._step_loads = 0
         emitting: list[_Request] = []
         prefilling: list[_Request] = []
         for request in self._running.values():
@@ -652,11 +713,14 @@ class SimulatedLLM:
         return start - budget
 
     def _admit_one(self) -> _Request | None:
-        """Admit the head of the waiting queue if a slot and its blocks are free."""
+        """Admit the first waiting request whose adapter has a slot, if a sequence slot and its
+        blocks are free (a request whose adapter has none is passed over, as vLLM does)."""
         cfg = self._config
         if not self._waiting or len(self._running) >= cfg.max_num_seqs:
             return None
-        request = next(iter(self._waiting.values()))
+        request = next((r for r in self._waiting.values() if self._adapter_fits(r.adapter)), None)
+        if request is None:
+            return None
         hashes = request.block_hashes
         num_prompt = request.num_prompt_tokens
         # Like vLLM, at least the last prompt token is recomputed to get logits, so a fully
@@ -668,6 +732,8 @@ class SimulatedLLM:
             return None  # head-of-line waits for blocks, as in vLLM's FCFS policy
         del self._waiting[request.request_id]
         self._running[request.request_id] = request
+        if request.adapter is not None:
+            self._activate(request.adapter)
         request.state = _RUNNING
         request.num_anonymous_blocks = num_anonymous
         request.num_cached_tokens = hit_blocks * cfg.block_size
@@ -675,6 +741,30 @@ class SimulatedLLM:
         self._prefix_cache_queries += num_prompt
         self._prefix_cache_hits += request.num_cached_tokens
         return request
+
+    def _adapter_fits(self, adapter: str | None) -> bool:
+        """Whether a request of ``adapter`` may run now: no adapter, a resident one, a free slot,
+        or a resident one that no running request uses (to evict)."""
+        if adapter is None or adapter in self._adapters:
+            return True
+        if len(self._adapters) < self._config.max_loras:
+            return True
+        return any(not self._adapter_running.get(a) for a in self._adapters)
+
+    def _activate(self, adapter: str) -> None:
+        """Mark ``adapter`` in use; load it (evicting the least recently used idle one) if it is
+        not resident. ``_adapter_fits`` said there is room."""
+        if adapter in self._adapters:
+            self._adapters.move_to_end(adapter)
+        else:
+            if len(self._adapters) >= self._config.max_loras:
+                idle = next(a for a in self._adapters if not self._adapter_running.get(a))
+                del self._adapters[idle]
+                self._adapter_running.pop(idle, None)
+            self._adapters[adapter] = None
+            self._adapter_loads += 1
+            self._step_loads += 1
+        self._adapter_running[adapter] = self._adapter_running.get(adapter, 0) + 1
 
     def prefill_backlog(self) -> int:
         """Prompt tokens still to prefill: what is left of the prefills under way, plus the

@@ -10,19 +10,37 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from serve_app.config.models import VLLMEngineConfig
+from serve_app.adapters import adapter_model
+from serve_app.config.models import AdapterConfig, VLLMEngineConfig
 
 
 def vllm_settings(
-    model: str, config: VLLMEngineConfig, task: Literal["generate", "embed"] = "generate"
+    model: str,
+    config: VLLMEngineConfig,
+    task: Literal["generate", "embed"] = "generate",
+    adapters: Sequence[AdapterConfig] = (),
 ) -> dict[str, Any]:
     """The vLLM arguments Forge sets, by vLLM's (Python) names; ``engine_args`` has the last word.
 
     An embedding pool runs vLLM's pooling runner (a causal LM is converted to an embedding model,
     as ``--runner pooling`` does); ``engine_args`` may still name ``convert`` or ``pooler_config``.
+    A pool's LoRA adapters are ``vllm serve --enable-lora --lora-modules``: each is served under
+    its Forge name (``<model>:<adapter>``), which is what the engine puts in a request's
+    ``model`` for vLLM's serving layer to attach its ``LoRARequest``.
     """
+    lora: dict[str, Any] = {}
+    if adapters:
+        lora = {
+            "enable_lora": True,
+            "max_loras": config.max_loras,
+            "max_lora_rank": config.max_lora_rank,
+            "lora_modules": [
+                {"name": adapter_model(model, a.name), "path": a.path} for a in adapters
+            ],
+        }
     return {
         "model": config.model,
         "served_model_name": [model],
@@ -36,12 +54,16 @@ def vllm_settings(
         # Usage carries cached_tokens, which metering and the routing experiments read.
         "enable_prompt_tokens_details": True,
         **({"runner": "pooling"} if task == "embed" else {}),
+        **lora,
         **config.engine_args,
     }
 
 
 def vllm_server_args(
-    model: str, config: VLLMEngineConfig, task: Literal["generate", "embed"] = "generate"
+    model: str,
+    config: VLLMEngineConfig,
+    task: Literal["generate", "embed"] = "generate",
+    adapters: Sequence[AdapterConfig] = (),
 ) -> argparse.Namespace:
     """The arguments ``vllm serve`` would have parsed, from Forge's config.
 
@@ -58,7 +80,11 @@ def vllm_server_args(
     unknown = sorted(name for name in config.engine_args if not hasattr(args, name))
     if unknown:
         raise ValueError(f"engine_args {unknown} are not vLLM engine or server arguments")
-    for name, value in vllm_settings(model, config, task).items():
+    for name, value in vllm_settings(model, config, task, adapters).items():
+        if name == "lora_modules":  # what vLLM's parser makes of --lora-modules
+            from vllm.entrypoints.openai.models.protocol import LoRAModulePath
+
+            value = [LoRAModulePath(**module) for module in value]
         setattr(args, name, value)
     return args
 

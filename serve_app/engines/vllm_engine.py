@@ -19,13 +19,15 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import orjson
 
 from serve_app import errors
-from serve_app.config.models import VLLMEngineConfig
+from serve_app.adapters import ADAPTER_KEY, adapter_model, request_adapter, split_adapter_model
+from serve_app.config.models import AdapterConfig, VLLMEngineConfig
 from serve_app.engines.base import (
     AbandonedUsage,
     Engine,
@@ -55,6 +57,7 @@ class VLLMEngine(Engine):
         default_max_tokens: int,
         task: Literal["generate", "embed"] = "generate",
         kv_events: KvEventPublisher | None = None,
+        adapters: Sequence[AdapterConfig] = (),
     ) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -69,7 +72,9 @@ class VLLMEngine(Engine):
         self.abandoned = AbandonedUsage()
         self._counts = StreamCounts()
         self._load = SchedulerLoad()
-        self._args = vllm_server_args(model, config, task)
+        # LoRA adapters by name; vLLM serves each under "<model>:<name>" (``vllm_args.py``).
+        self.adapters = {a.name: a for a in adapters}
+        self._args = vllm_server_args(model, config, task, adapters)
         # Only a generation pool routes on its cache.
         self._kv = (
             VllmKvEventRelay(kv_events, self._engine_load)
@@ -83,6 +88,7 @@ class VLLMEngine(Engine):
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.block_size = vllm_config.cache_config.block_size
+        self._load.max_loras = config.max_loras if adapters else 0
         try:
             self.llm = AsyncLLM.from_vllm_config(
                 vllm_config,
@@ -165,7 +171,14 @@ class VLLMEngine(Engine):
         self._serial += 1
         base_id = f"{request_id}-{self._serial}"
         # vLLM picks its response type from the body's flag: make it say what the caller does.
-        payload = {**body, "model": self.model, "request_id": base_id, "stream": stream}
+        # Its serving layer attaches a LoRARequest to a request that names an adapter's model.
+        adapter = request_adapter(body)
+        if adapter is not None and adapter not in self.adapters:
+            raise errors.adapter_not_found(self.model, adapter)
+        model = adapter_model(self.model, adapter)
+        payload = {**body, "model": model, "request_id": base_id, "stream": stream}
+        payload.pop(ADAPTER_KEY, None)
+        self._load.used(adapter)
         if payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None:
             payload["max_tokens"] = self.default_max_tokens
         if stream:
@@ -346,6 +359,11 @@ class VLLMEngine(Engine):
             max_num_seqs=self.max_num_seqs,
             generation_tokens=load.generation_tokens,
             prompt_tokens=load.prompt_tokens,
+            max_loras=load.max_loras,
+            running_lora_adapters=dict(load.running_lora_adapters),
+            waiting_lora_adapters=dict(load.waiting_lora_adapters),
+            lora_adapters=list(load.resident),
+            lora_loads=load.lora_loads,
         )
 
     async def check_health(self) -> None:
@@ -380,6 +398,14 @@ class SchedulerLoad:
         self.prefix_cache_hits = 0
         self.generation_tokens = 0
         self.prompt_tokens = 0
+        # LoRA: vllm:lora_requests_info's adapters (by Forge's adapter name, with counts), and
+        # the adapters vLLM holds in its max_loras slots as its LRU would: vLLM does not say
+        # which are loaded, so they are kept here in the order requests used them.
+        self.max_loras = 0
+        self.running_lora_adapters: dict[str, int] = {}
+        self.waiting_lora_adapters: dict[str, int] = {}
+        self.resident: OrderedDict[str, None] = OrderedDict()
+        self.lora_loads = 0
         # Called after each scheduler update: the KV event relay republishes the load with it.
         self.on_update: Callable[[], None] | None = None
 
@@ -399,10 +425,25 @@ class SchedulerLoad:
             scheduler_stats, "num_skipped_waiting_reqs", 0
         )
         self.kv_cache_usage = scheduler_stats.kv_cache_usage
+        self.running_lora_adapters = _adapter_counts(scheduler_stats, "running_lora_adapters")
+        self.waiting_lora_adapters = _adapter_counts(scheduler_stats, "waiting_lora_adapters")
         self.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
         self.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
         if self.on_update is not None:
             self.on_update()
+
+    def used(self, adapter: str | None) -> None:
+        """A request of ``adapter`` is sent to vLLM: it is (or becomes) resident, and the least
+        recently used one past ``max_loras`` is not."""
+        if adapter is None or not self.max_loras:
+            return
+        if adapter in self.resident:
+            self.resident.move_to_end(adapter)
+            return
+        self.resident[adapter] = None
+        self.lora_loads += 1
+        while len(self.resident) > self.max_loras:
+            self.resident.popitem(last=False)
 
     def log(self) -> None:
         """Nothing to print: vLLM's own logging logger does that."""
@@ -549,6 +590,13 @@ async def _counting(
                     count.broken = True
                     logger.exception("could not count vLLM's output for %s", vllm_id)
             yield output
+
+
+def _adapter_counts(scheduler_stats: Any, name: str) -> dict[str, int]:
+    """vLLM's running or waiting adapters (by its LoRA name, ``<model>:<adapter>``) by Forge's
+    adapter name."""
+    counts = getattr(scheduler_stats, name, None) or {}
+    return {split_adapter_model(lora)[1] or lora: n for lora, n in counts.items()}
 
 
 def _being_cancelled() -> bool:

@@ -64,8 +64,9 @@ class Gateway:
         self.keyring = parts.keyring
         self.metrics = parts.metrics
         self.schedulers = dict(parts.schedulers)
-        # Every name served: pools' models, the fallback's, models: entries (for /v1/models).
-        self.models = TrafficPolicy(config).names
+        # Every name served: pools' models, the fallback's, models: entries, adapters (for
+        # /v1/models, each tenant's own list).
+        self.models = TrafficPolicy(config)
         self._parts = parts
         self._app: Starlette | None = None
         self.lasting = build_lasting(config, parts)  # kept across live changes
@@ -118,7 +119,7 @@ class Gateway:
         parts = replace(self._parts, keyring=keyring)
         pipeline = self._build_pipeline(config, parts)
         admin = self._admin_api(config, keyring) if self._app is not None else None
-        models = TrafficPolicy(config).names
+        models = TrafficPolicy(config)
         # The swap: no await from here to the end.
         self.lasting.retune(config)
         self.config, self.keyring, self._parts, self.pipeline = config, keyring, parts, pipeline
@@ -318,10 +319,8 @@ class Gateway:
         return await self.backends[name].ready()
 
     async def _list_models(self, ctx: RequestContext) -> Response:
-        allowed = ctx.tenant.models if ctx.tenant is not None else None
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "forge"}
-            for m in self.models
-            if allowed is None or m in allowed
+            for m in self.models.listed(ctx.tenant)
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 
 from opentelemetry import trace
@@ -53,11 +54,24 @@ def build_engine(pool: PoolConfig, kv_events: KvEventPublisher | None = None) ->
     if pool.engine.kind == "simulated":
         from serve_app.engines.simulated import SimulatedEngine
 
-        return SimulatedEngine(pool.model, pool.engine, pool.default_max_tokens, kv_events)
+        return SimulatedEngine(
+            pool.model,
+            pool.engine,
+            pool.default_max_tokens,
+            kv_events,
+            adapters=[a.name for a in pool.adapters],
+        )
     if pool.engine.kind == "vllm":
         from serve_app.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(pool.model, pool.engine, pool.default_max_tokens, pool.task, kv_events)
+        return VLLMEngine(
+            pool.model,
+            pool.engine,
+            pool.default_max_tokens,
+            pool.task,
+            kv_events,
+            adapters=pool.adapters,
+        )
     raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
 
 
@@ -102,6 +116,8 @@ class Replica:
         self.engine = build_engine(self.pool, self.kv_events)
         self._started = False
         self._gauges: dict | None = None
+        self._lora_info: Gauge | None = None
+        self._lora_loads: Gauge | None = None
         # Streams this replica is serving, from their first item until their generator closes:
         # the caller sees a stream end only after that, so this never counts one the gateway
         # has finished with (an engine counts a finished sequence until its next step).
@@ -313,6 +329,30 @@ class Replica:
             }
         for name, gauge in self._gauges.items():
             gauge.set(stats[name])
+        if stats.get("max_loras"):
+            self._export_lora(stats)
+
+    def _export_lora(self, stats: dict) -> None:
+        """vLLM's ``vllm:lora_requests_info``: the adapters running and waiting, as labels, on
+        a gauge whose value is when it was said (a dashboard shows the latest)."""
+        if self._lora_info is None:
+            self._lora_info = Gauge(
+                "forge_engine_lora_requests_info",
+                description="Running and waiting LoRA adapters, per replica (as vLLM's).",
+                tag_keys=("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+            )
+            self._lora_loads = Gauge(
+                "forge_engine_lora_loads", description="LoRA adapters loaded, per replica."
+            )
+        self._lora_info.set(
+            time.time(),
+            tags={
+                "max_lora": str(stats["max_loras"]),
+                "running_lora_adapters": ",".join(sorted(stats["running_lora_adapters"])),
+                "waiting_lora_adapters": ",".join(sorted(stats["waiting_lora_adapters"])),
+            },
+        )
+        self._lora_loads.set(stats["lora_loads"])
 
     def set_fault(
         self, spec: dict | None, *, replica_id: str | None = None, request_id: str | None = None

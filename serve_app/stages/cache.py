@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import orjson
 from starlette.responses import Response
 
+from serve_app.adapters import adapter_model
 from serve_app.config.models import CacheConfig
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import EventStream, Handler, RequestContext, on_response_end
@@ -91,7 +92,8 @@ class CacheStage:
         if identity is None:  # not cacheable, or what the pool runs is not known right now
             return await self._bypass(ctx, call_next, ctx.model_label)
         scope = SHARED if ctx.tenant.cache_scope == "shared" else "tenant:" + ctx.tenant.name
-        key = cache_key(scope, model, identity, ctx.route, ctx.body)
+        # An adapter's answers are its own: keyed by it, never replayed for the base model.
+        key = cache_key(scope, adapter_model(model, ctx.adapter), identity, ctx.route, ctx.body)
         try:
             raw = await self.store.cache_get(key)
         except StoreError as exc:

@@ -17,6 +17,7 @@ import time
 from starlette.responses import Response
 
 from serve_app import errors
+from serve_app.adapters import adapter_model
 from serve_app.metering.ledger import UsageLedger, UsageRecord, charged_tokens, day_of, error_class
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, RequestContext, final_status, on_response_end
@@ -70,4 +71,8 @@ def usage_record(ctx: RequestContext, status: int, day: str) -> UsageRecord:
     # Tokens the fallback processed are its model's, priced at its price (``forge usage``); a
     # cache hit replays an answer of the requested model's, whoever first produced it.
     model = ctx.served_model if ctx.served_model and ctx.cache != "hit" else ctx.model_label
+    if ctx.adapter is not None and ctx.backend != "fallback":
+        # An adapter's tokens are its own line, "<pool's model>:<adapter>", priced as such.
+        served = ctx.served_model if ctx.served_model and ctx.cache != "hit" else None
+        model = adapter_model(served or ctx.pool_model, ctx.adapter)
     return UsageRecord(ctx.tenant_name, model, day, counts)

@@ -11,11 +11,12 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from serve_app import errors, protocol
+from serve_app.adapters import ADAPTER_KEY, split_adapter_model
 from serve_app.config.models import GatewayConfig
 from serve_app.dialects.base import Dialect
 from serve_app.pipeline import Handler, RequestContext
 from serve_app.protocol import count_prompt_tokens
-from serve_app.traffic.policy import VARIANT_HEADER, TrafficPolicy, place
+from serve_app.traffic.policy import VARIANT_HEADER, Target, TrafficPolicy, place
 
 _MODELS = {
     "chat": protocol.ChatCompletionRequest,
@@ -62,9 +63,11 @@ class ParseStage:
                 code="too_many_messages",
             )
         model = ctx.parsed.model
+        ctx.body.pop(ADAPTER_KEY, None)  # only the gateway says which adapter serves it
         task = self.tasks.get(model)  # unknown models are dispatch's 404
-        allowed = ctx.tenant.models if ctx.tenant is not None else None
-        if task is not None and allowed is not None and model not in allowed:
+        if task is None:
+            self._unknown_adapter(ctx, model)
+        if task is not None and not self._may_call(ctx, model):
             raise errors.model_not_found(model)  # told as if it did not exist
         ctx.model_served = task is not None
         if task is not None and (task == "embed") != (ctx.route == "embedding"):
@@ -74,17 +77,42 @@ class ParseStage:
             return await call_next(ctx)
         target = self.policy.resolve(model, ctx.tenant_name, ctx.body, ctx.request.headers)
         if target.variant is None:  # a pool's own name: where it always went
-            ctx.target = target
+            ctx.target = self._with_adapter(ctx, target)
             return await call_next(ctx)
         try:
             prompt = ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
-            ctx.target = place(target, prompt, ctx.parsed.output_limit())
+            placed = place(target, prompt, ctx.parsed.output_limit())
+            ctx.target = self._with_adapter(ctx, placed)
             response = await call_next(ctx)
         except errors.ForgeError as err:  # the variant's own errors say which it was
             err.headers[VARIANT_HEADER] = target.variant
             raise
         response.headers[VARIANT_HEADER] = target.variant
         return response
+
+    def _may_call(self, ctx: RequestContext, model: str) -> bool:
+        if self.policy is not None:
+            return self.policy.may_call(ctx.tenant, model)
+        allowed = ctx.tenant.models if ctx.tenant is not None else None
+        return allowed is None or model in allowed
+
+    def _unknown_adapter(self, ctx: RequestContext, model: str) -> None:
+        """``<model>:<adapter>`` of a model this tenant may call, with no such adapter: a 404
+        that names the adapter (any other unknown name is dispatch's plain 404)."""
+        base, adapter = split_adapter_model(model)
+        if adapter is None or base not in self.tasks or self.policy is None:
+            return
+        if self.policy.may_call(ctx.tenant, base):
+            raise errors.adapter_not_found(base, adapter)
+
+    def _with_adapter(self, ctx: RequestContext, target: Target) -> Target:
+        """The adapter this request gets (``TrafficPolicy.bind``), told to the pool's router
+        and replica in the body."""
+        target = self.policy.bind(target, ctx.tenant)
+        if target.adapter is not None:
+            ctx.adapter = target.adapter
+            ctx.body[ADAPTER_KEY] = target.adapter
+        return target
 
     async def _read(self, ctx: RequestContext) -> bytes:
         limit = self.max_body_bytes

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import orjson
 
 from serve_app import errors
-from serve_app.config.models import ForgeConfig, PoolConfig
+from serve_app.adapters import adapter_model
+from serve_app.config.models import AdapterConfig, ForgeConfig, PoolConfig, TenantConfig
 from serve_app.config.traffic import CONDITIONS, FALLBACK, ModelPolicy, ShadowConfig
 from serve_app.traffic.watch import TrafficWatch
 
@@ -50,7 +51,10 @@ class Target:
     shadow: ShadowConfig | None = None  # set when this request is also mirrored
     overload_wait_s: float = 0.0
     start: int = 0  # the step the request starts on (a long prompt, a spill, move it on)
-    excluded: frozenset[str] = frozenset()  # steps whose context window it does not fit
+    # Steps it may not take: their context window does not fit it, or (an adapter's request)
+    # they lack its adapter: other pools, and the fallback, whose answer would be the base's.
+    excluded: frozenset[str] = frozenset()
+    adapter: str | None = None  # the LoRA adapter of the route's own pool that serves it
 
     @property
     def pool_model(self) -> str | None:
@@ -78,6 +82,14 @@ class TrafficPolicy:
             self.routes[pool.model] = tuple(steps)
         if config.fallback is not None:
             self.routes.setdefault(config.fallback.model, (Step(FALLBACK, None),))
+        # "<model>:<adapter>" → the pool's model and the adapter: the pool's own route.
+        self.adapters: dict[str, tuple[str, AdapterConfig]] = {}
+        self.pool_adapters = {p.name: frozenset(a.name for a in p.adapters) for p in config.pools}
+        for pool in config.pools:
+            for adapter in pool.adapters:
+                name = adapter_model(pool.model, adapter.name)
+                self.routes[name] = self.routes[pool.model]
+                self.adapters[name] = (pool.model, adapter)
         self.entries: dict[str, _Entry] = {}
         for policy in config.models:
             keys = []
@@ -108,6 +120,7 @@ class TrafficPolicy:
         self.tasks.update({p.model: p.task for p in config.pools})
         for name, entry in self.entries.items():
             self.tasks[name] = pools[entry.policy.variants[0].pool].task
+        self.tasks.update({name: "generate" for name in self.adapters})
 
     def _weigh(self) -> None:
         """Each variant's upper bound on [0, 100), aborted ones weighing 0 (their share goes to
@@ -121,11 +134,57 @@ class TrafficPolicy:
         entry = self.entries.get(model)
         return None if entry is None else entry.policy
 
+    def may_call(self, tenant: TenantConfig | None, model: str) -> bool:
+        """Whether ``tenant`` may call the served name ``model``: its allow-list (None: every
+        name), and for an adapter's name also the adapter's own tenants. An allow-list names
+        an adapter itself (``<model>:<adapter>``; its model's name is not enough: an adapter is
+        someone's fine-tune); a tenant bound to an adapter may always call it."""
+        if tenant is None:
+            return True
+        allowed = tenant.models
+        found = self.adapters.get(model)
+        if found is None:
+            return allowed is None or model in allowed
+        base, adapter = found
+        if tenant.adapters.get(base) == adapter.name:
+            return True
+        if adapter.tenants is not None and tenant.name not in adapter.tenants:
+            return False
+        return allowed is None or model in allowed
+
+    def listed(self, tenant: TenantConfig | None) -> list[str]:
+        """What ``/v1/models`` lists to ``tenant``: the names it may call, adapters included."""
+        return [m for m in [*self.names, *self.adapters] if self.may_call(tenant, m)]
+
+    def bind(self, target: Target, tenant: TenantConfig | None) -> Target:
+        """``target`` with its adapter: the one its name or variant names, else the one
+        ``tenant`` is bound to for the route's pool (``tenants.adapters``). The steps that lack
+        the adapter are left out (a 404 when a variant's adapter is not the tenant's to call)."""
+        base = target.steps[0].model if target.steps else None
+        adapter = target.adapter
+        if base is None:
+            return target
+        if adapter is None:
+            adapter = tenant.adapters.get(base) if tenant is not None else None
+            if adapter is None:
+                return target
+        elif target.variant is not None and not self.may_call(tenant, adapter_model(base, adapter)):
+            raise errors.model_not_found(target.model)  # told as if it did not exist
+        lacking = {
+            s.backend for s in target.steps if adapter not in self.pool_adapters.get(s.backend, ())
+        }
+        excluded = target.excluded | lacking
+        steps = range(target.start, len(target.steps))
+        start = next((i for i in steps if target.steps[i].backend not in excluded), target.start)
+        return replace(target, adapter=adapter, excluded=frozenset(excluded), start=start)
+
     def resolve(self, model: str, tenant: str, body: Mapping | None, headers: Mapping) -> Target:
         """The route ``model`` takes for this request (``model`` must be a served name)."""
         entry = self.entries.get(model)
         if entry is None:
-            return Target(model, model, self.routes[model])
+            found = self.adapters.get(model)
+            adapter = found[1].name if found is not None else None
+            return Target(model, model, self.routes[model], adapter=adapter)
         if self.watch is not None and self.watch.version != self._version:
             self._weigh()
         policy = entry.policy
@@ -144,6 +203,7 @@ class TrafficPolicy:
             policy.variants[index].name,
             shadow,
             policy.overload_wait_s,
+            adapter=policy.variants[index].adapter,
         )
 
 

@@ -336,3 +336,55 @@ def test_the_shipped_configs_run_every_pool_in_an_application_of_its_own():
         assert all(pool.get("app") for pool in gateway["args"]["pools"]), path.name
         config = serve_config_forge(document)
         assert all(pool.app is None and pool.engine.kind for pool in config.pools)
+
+
+# -- LoRA adapters -------------------------------------------------------------------------
+
+
+def adapter_args(**tenant) -> dict:
+    args = minimal()
+    args["pools"][0]["adapters"] = [{"name": "support", "path": "/weights/support"}]
+    args["tenants"][0].update(tenant)
+    return args
+
+
+def test_a_pools_adapters_and_a_tenants_binding_validate():
+    config = load_config(adapter_args(adapters={"m1": "support"}, models=["m1", "m1:support"]))
+    assert config.pools[0].adapter("support").path == "/weights/support"
+    assert config.tenants[0].adapters == {"m1": "support"}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda a: a["tenants"][0].update(adapters={"m1": "nope"}), "tenants.0.adapters.m1"),
+        (lambda a: a["tenants"][0].update(adapters={"m2": "support"}), "tenants.0.adapters.m2"),
+        (lambda a: a["tenants"][0].update(models=["m1:nope"]), "tenants.0.models"),
+        (lambda a: a["pools"][0]["adapters"].append({"name": "support", "path": "x"}), "duplicate"),
+        (lambda a: a["pools"][0]["adapters"][0].update(name="a:b"), "pools.0.adapters.0.name"),
+        (lambda a: a["pools"][0]["adapters"][0].update(tenants=["ghost"]), "adapters.0.tenants"),
+        (lambda a: a["pools"][0].update(task="embed", fallback=False), "generation pools only"),
+        (lambda a: a["pools"][0].update(engine={"max_loras": 0}), "pools.0.engine.max_loras"),
+        (
+            lambda a: a.update(
+                models=[
+                    {
+                        "name": "alias",
+                        "variants": [{"name": "v", "pool": "primary", "adapter": "x"}],
+                    }
+                ]
+            ),
+            "models.0.variants.0.adapter",
+        ),
+    ],
+)
+def test_a_bad_adapter_field_is_named(change, named):
+    args = adapter_args()
+    change(args)
+    assert named in config_error(args)
+
+
+def test_vllm_max_lora_rank_is_one_of_vllms_choices():
+    args = adapter_args()
+    args["pools"][0]["engine"] = {"kind": "vllm", "model": "/m", "max_lora_rank": 12}
+    assert "pools.0.engine.max_lora_rank" in config_error(args)

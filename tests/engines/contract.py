@@ -331,8 +331,12 @@ class EngineContract:
 
         assert isinstance(stats, EngineStats)
         assert set(stats.as_dict()) == {f.name for f in fields(EngineStats)}
-        counts = [v for k, v in stats.as_dict().items() if k != "kv_cache_usage_perc"]
+        adapters = ("running_lora_adapters", "waiting_lora_adapters", "lora_adapters")
+        counts = [
+            v for k, v in stats.as_dict().items() if k not in ("kv_cache_usage_perc", *adapters)
+        ]
         assert all(type(v) is int and v >= 0 for v in counts)
+        assert not stats.running_lora_adapters and not stats.waiting_lora_adapters
         assert isinstance(stats.kv_cache_usage_perc, float)
         assert stats.kv_cache_usage_perc == 0.0  # evictable cached blocks count as free
         assert stats.max_num_seqs == spec.max_num_seqs

@@ -549,3 +549,72 @@ async def test_backlog_counts_the_uncached_tokens_queued(make_engine: EngineFact
     busy.cancel()
     await asyncio.gather(waiter, busy, return_exceptions=True)
     await queued.aclose()
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------
+
+
+async def test_an_adapters_answer_is_its_own_and_the_same_every_time(make_engine) -> None:
+    engine = make_engine(output_tokens_min=8, output_tokens_max=8)
+    ids = prompt(40)
+
+    async def text(request_id: str, adapter: str | None) -> str:
+        return "".join(o.text for o in await collect(engine, request_id, ids, adapter=adapter))
+
+    base, support, legal = (
+        await text("b", None),
+        await text("s", "support"),
+        await text("l", "legal"),
+    )
+    assert len({base, support, legal}) == 3
+    assert await text("s2", "support") == support
+
+
+async def test_an_adapters_prefix_cache_is_not_the_base_models(make_engine) -> None:
+    engine = make_engine(block_size=4, output_tokens_min=1, output_tokens_max=1)
+    ids = prompt(33)
+    await collect(engine, "base", ids)
+    (first,) = await collect(engine, "support", ids, adapter="support")
+    (again,) = await collect(engine, "support-2", ids, adapter="support")
+    assert first.num_cached_tokens == 0  # vLLM keys a block by its LoRA too
+    assert again.num_cached_tokens == 32
+
+
+async def test_adapter_slots_load_evict_and_never_mix_more_adapters_than_slots(make_engine) -> None:
+    engine = make_engine(max_loras=1, decode_base_s=0.001, output_tokens_min=4, output_tokens_max=4)
+    seen: list[dict[str, int]] = []
+
+    async def watch() -> None:
+        while True:
+            seen.append(engine.running_adapters())
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(
+            *(collect(engine, f"r{i}", prompt(8, i), adapter=a) for i, a in enumerate("xyxy"))
+        )
+    finally:
+        watcher.cancel()
+    assert all(len(running) <= 1 for running in seen)  # one slot: one adapter at a time
+    assert {a for running in seen for a in running} == {"x", "y"}
+    # x loads; the second x joins the first past the waiting y (as vLLM skips y); then y
+    # loads once x is idle, and both y's run on it: two loads, not four.
+    assert engine.adapter_loads == 2
+    assert engine.resident_adapters() == ["y"]
+
+
+async def test_a_request_whose_adapter_has_no_slot_lets_the_next_one_go_first(make_engine) -> None:
+    engine = make_engine(
+        max_loras=1, max_num_seqs=4, decode_base_s=0.001, output_tokens_min=6, output_tokens_max=6
+    )
+    order: list[str] = []
+
+    async def run(request_id: str, adapter: str | None) -> None:
+        async for _ in engine.generate(request_id, prompt(8), 6, adapter=adapter):
+            if request_id not in order:
+                order.append(request_id)
+
+    await asyncio.gather(run("x", "x"), run("y", "y"), run("base", None))
+    # "y" waits for x's slot; the base model's request behind it does not wait with it.
+    assert order.index("base") < order.index("y")

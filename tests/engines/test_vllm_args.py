@@ -62,3 +62,15 @@ def test_engine_args_are_passed_on_and_have_the_last_word():
     assert settings["runner"] == "generate"
     assert settings["enable_prompt_tokens_details"] is False
     assert settings["served_model_name"] == ["m"]
+
+
+def test_a_pools_adapters_are_vllms_lora_modules_under_their_forge_names():
+    from serve_app.config.models import AdapterConfig
+
+    config = VLLMEngineConfig(kind="vllm", model="/models/qwen", max_loras=3, max_lora_rank=32)
+    adapters = [AdapterConfig(name="support", path="/weights/support")]
+    settings = vllm_settings("qwen", config, adapters=adapters)
+    assert settings["enable_lora"] is True
+    assert (settings["max_loras"], settings["max_lora_rank"]) == (3, 32)
+    assert settings["lora_modules"] == [{"name": "qwen:support", "path": "/weights/support"}]
+    assert "enable_lora" not in vllm_settings("qwen", config)  # no adapters, no LoRA
