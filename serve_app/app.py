@@ -154,6 +154,10 @@ def _replica_options(pool: PoolConfig) -> dict[str, Any]:
                 "policy": routing.policy,
                 "block_size": pool.engine.block_size,
                 "kv_events": routing.kv_events.model_dump(),
+                "adapter_affinity": routing.adapter_affinity,
+                "adapter_load_factor": routing.adapter_load_factor,
+                # Past the replicas' next report of what they hold.
+                "adapter_memory_s": 2 * routing.stats_period_s,
                 **routing.options,
             },
             request_routing_stats_period_s=routing.stats_period_s,

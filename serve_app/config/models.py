@@ -255,6 +255,11 @@ class RoutingConfig(_Strict):
     # How often replicas report their load and cache state to the routers.
     stats_period_s: Annotated[float, Field(gt=0)] = 1.0
     kv_events: KvEventsConfig = KvEventsConfig()
+    # A request for a LoRA adapter goes first to replicas that have it loaded, while their
+    # load stays under adapter_load_factor x the mean + 1 (``routing/adapters.py``); off, the
+    # policy alone decides (adapters load wherever it sends them).
+    adapter_affinity: bool = True
+    adapter_load_factor: Annotated[float, Field(ge=1)] = 1.25
 
     @model_validator(mode="after")
     def _policy_builds(self) -> RoutingConfig:

@@ -40,6 +40,10 @@ class ReplicaView:
     # since (``routing/kv_index.py``).
     backlog_tokens: int = 0
     excluded: bool = False  # e.g. its circuit breaker is open: never chosen
+    # LoRA adapters loaded on it (or running, waiting, or just sent there by this router), and
+    # how many it may hold at once (its engine's max_loras; 0: unknown): ``routing/adapters.py``.
+    adapters: Collection[str] = frozenset()
+    adapter_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,7 @@ class RouteRequest:
     block_hashes: tuple[int, ...] = ()
     prompt_tokens: int = 0
     block_size: int = 16
+    adapter: str | None = None  # the LoRA adapter that serves it (None: the base model)
 
 
 class RoutingPolicy(ABC):

@@ -4,7 +4,9 @@ It runs inside each caller of the pool's handle (the gateway replicas): no extra
 request. For every request it builds a ``ReplicaView`` of each candidate (Serve's cached count
 of requests in flight on it, plus the replica's last published routing stats) and a
 ``RouteRequest`` (the prompt's block-hash chain), asks the policy for a ranking and hands Serve
-one replica per rank, so Serve's own retry walks the policy's order.
+one replica per rank, so Serve's own retry walks the policy's order. A LoRA adapter's request
+has that ranking reordered by adapter affinity (``routing/adapters.py``), from the adapters
+each replica reports plus those this router sent it since.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import tokenizer
+from serve_app.adapters import request_adapter
 from serve_app.bridge import pool_bridge, pool_of_deployment, replica_backend
 from serve_app.config.models import KvEventsConfig
 from serve_app.kvcache.block_hashes import prefix_block_hashes
@@ -24,6 +27,7 @@ from serve_app.kvcache.curve import curve_keys
 from serve_app.metrics import counter
 from serve_app.protocol import prompt_text
 from serve_app.resilience.breaker import Admit, State
+from serve_app.routing.adapters import AdapterAffinity
 from serve_app.routing.base import ReplicaView, RouteRequest, RoutingPolicy
 from serve_app.routing.kv_aware import uncached_tokens
 from serve_app.routing.kv_index import KvIndex
@@ -53,9 +57,17 @@ class ForgeRequestRouter(RequestRouter):
         block_size: int = 16,
         route_blocks: int = 128,
         kv_events: dict | None = None,
+        adapter_affinity: bool = True,
+        adapter_load_factor: float = 1.25,
+        adapter_memory_s: float = 2.0,
         **options: Any,
     ) -> None:
         self.policy: RoutingPolicy = build_policy(policy, **options)
+        self.adapters = AdapterAffinity(adapter_load_factor) if adapter_affinity else None
+        # Adapters this router sent each replica, and when: the replica holds them from then
+        # on, though its stats say so only at its next report (kept ``adapter_memory_s``).
+        self.adapter_memory_s = adapter_memory_s
+        self._sent_adapters: dict[str, dict[str, float]] = {}
         self.policy_name = policy
         self.needs_prefix = policy in _PREFIX_POLICIES
         self.block_size = block_size
@@ -88,7 +100,12 @@ class ForgeRequestRouter(RequestRouter):
             "Requests whose preferred replica was over the load bound.",
             *("pool", "policy"),
         )
-        for series in (self._routed, self._spillovers):
+        self._adapter_placements = counter(
+            "forge_route_adapter_placements_total",
+            "LoRA adapter requests sent where the adapter was not loaded (a load there).",
+            *("pool", "policy"),
+        )
+        for series in (self._routed, self._spillovers, self._adapter_placements):
             series.set_default_tags({"pool": pool, "policy": policy})
         self.route_blocks = route_blocks
         self._sync_waited: set[str] = set()  # replicas whose first snapshot a request awaited
@@ -96,6 +113,8 @@ class ForgeRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.bridge.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
+        for gone in set(self._sent_adapters) - self.bridge.replica_ids:
+            del self._sent_adapters[gone]
         if self.index is not None:
             self.index.keep_only(self.bridge.replica_ids)
             # Subscribe as soon as a replica says where it publishes, not at the first request.
@@ -143,9 +162,15 @@ class ForgeRequestRouter(RequestRouter):
             await self._first_sync(candidate_replicas)
         views = [self._view(r, r.replica_id.unique_id in excluded) for r in candidate_replicas]
         spilled_before = getattr(self.policy, "spillovers", 0)
-        ranked = self.policy.rank(views, self._route_for(pending_request))
+        route = self._route_for(pending_request)
+        ranked = self.policy.rank(views, route)
         if getattr(self.policy, "spillovers", 0) > spilled_before:
             self._spillovers.inc()
+        if route.adapter is not None and self.adapters is not None:
+            placed_before = self.adapters.placements
+            ranked = self.adapters.order(ranked, views, route.adapter)
+            if self.adapters.placements > placed_before:
+                self._adapter_placements.inc()
         return [[by_id[replica_id]] for replica_id in ranked if replica_id in by_id]
 
     def _excluded(self, replica_ids: list[str], request_id: str | None) -> set[str]:
@@ -189,6 +214,9 @@ class ForgeRequestRouter(RequestRouter):
         self._routed.inc(tags={"target": rid})
         if pending_request is None:
             return
+        adapter = _adapter_of(pending_request)
+        if adapter is not None:
+            self._sent_adapters.setdefault(rid, {})[adapter] = time.monotonic()
         route = self._routes.pop(pending_request.metadata.internal_request_id, None)
         request_id = _request_id(pending_request)
         if self.index is not None and route is not None and request_id is not None:
@@ -228,8 +256,10 @@ class ForgeRequestRouter(RequestRouter):
             await asyncio.sleep(0.002)
 
     def _route_for(self, pending: PendingRequest | None) -> RouteRequest:
-        if not self.needs_prefix or pending is None:
+        if pending is None:
             return RouteRequest()
+        if not self.needs_prefix:
+            return RouteRequest(adapter=_adapter_of(pending))
         key = pending.metadata.internal_request_id
         route = self._routes.get(key)
         if route is None:
@@ -256,6 +286,8 @@ class ForgeRequestRouter(RequestRouter):
             backlog += self.index.assigned_tokens(replica_id)
             cached_blocks = self.index.holds(replica_id)
         return ReplicaView(
+            adapters=self._adapters_on(replica_id, stats),
+            adapter_slots=int(stats.get("max_loras", 0)),
             replica_id=replica_id,
             in_flight=in_flight,
             running=running,
@@ -265,6 +297,23 @@ class ForgeRequestRouter(RequestRouter):
             backlog_tokens=backlog,
             excluded=excluded,
         )
+
+    def _adapters_on(self, replica_id: str, stats: dict) -> frozenset[str]:
+        """The adapters a replica holds: loaded, running or waiting as it last reported, and
+        those this router sent it within ``adapter_memory_s`` (the others are forgotten)."""
+        said = [
+            *stats.get("lora_adapters", ()),
+            *stats.get("running_lora_adapters", ()),
+            *stats.get("waiting_lora_adapters", ()),
+        ]
+        sent = self._sent_adapters.get(replica_id)
+        if sent:
+            since = time.monotonic() - self.adapter_memory_s
+            for adapter, at in list(sent.items()):
+                if at < since:
+                    del sent[adapter]
+            said += sent
+        return frozenset(said)
 
     def _route_request(self, pending: PendingRequest | None) -> RouteRequest:
         """The prompt's block hashes, from the call ``stream/complete(body, kind, request_id)``."""
@@ -277,7 +326,18 @@ class ForgeRequestRouter(RequestRouter):
             return RouteRequest()
         ids = tokenizer.encode(text)
         hashes = prefix_block_hashes(ids[: self.block_size * self.route_blocks], self.block_size)
-        return RouteRequest(hashes, prompt_tokens=len(ids), block_size=self.block_size)
+        return RouteRequest(
+            hashes,
+            prompt_tokens=len(ids),
+            block_size=self.block_size,
+            adapter=request_adapter(body),
+        )
+
+
+def _adapter_of(pending: PendingRequest) -> str | None:
+    """The adapter of a ``stream``/``complete`` call's body (None: the base model, or not one)."""
+    body = pending.args[0] if pending.args else None
+    return request_adapter(body) if isinstance(body, dict) else None
 
 
 def _request_id(pending: PendingRequest | None) -> str | None:

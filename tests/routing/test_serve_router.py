@@ -418,3 +418,42 @@ async def test_a_question_for_a_replica_that_is_gone_still_goes_somewhere():
     router.update_replicas(replicas)
     pool_bridge(APP, POOL).pinned["req-1"] = "b"
     assert len(await ranked(router, replicas, usage_question("req-1"))) == 1
+
+
+# -- LoRA adapters -----------------------------------------------------------------------------
+
+
+def adapter_request(request_id: str, adapter: str | None) -> PendingRequest:
+    request = pending(request_id)
+    if adapter is not None:
+        request.args[0]["forge_adapter"] = adapter
+    return request
+
+
+async def test_an_adapters_requests_follow_the_replica_that_has_it_loaded():
+    replicas = [Replica(f"replica-{i}", {"max_loras": 2}) for i in range(3)]
+    replicas[2].routing_stats = {"max_loras": 2, "lora_adapters": ["support"]}
+    router = make_router("round_robin")
+    router.update_replicas(replicas)
+    firsts = [
+        (await ranked(router, replicas, adapter_request(f"r{n}", "support")))[0] for n in range(6)
+    ]
+    assert firsts == ["replica-2"] * 6  # round robin alone would have rotated
+    base = [(await ranked(router, replicas, adapter_request(f"b{n}", None)))[0] for n in range(3)]
+    assert len(set(base)) == 3  # the base model's requests are the policy's alone
+
+
+async def test_a_new_adapter_stays_where_this_router_sent_it_before_any_report():
+    replicas = [Replica(f"replica-{i}", {"max_loras": 2}) for i in range(3)]
+    router = make_router("round_robin")
+    router.update_replicas(replicas)
+    first = await ranked(router, replicas, request := adapter_request("r0", "legal"))
+    router.on_request_routed(request, replicas[int(first[0][-1])].replica_id, None)
+    again = await ranked(router, replicas, adapter_request("r1", "legal"))
+    assert again[0] == first[0]  # no stats said so yet: the router remembered
+    off = make_router("round_robin", adapter_affinity=False)
+    off.update_replicas(replicas)
+    rotated = [
+        (await ranked(off, replicas, adapter_request(f"o{n}", "legal")))[0] for n in range(3)
+    ]
+    assert len(set(rotated)) == 3
