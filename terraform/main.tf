@@ -22,6 +22,7 @@ resource "google_project_service" "apis" {
     "sqladmin.googleapis.com",
     "secretmanager.googleapis.com",
     "servicenetworking.googleapis.com",
+    "storage.googleapis.com",
     "sts.googleapis.com",
   ])
 

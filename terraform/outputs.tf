@@ -98,3 +98,8 @@ output "ledger_url" {
   value       = local.ledger_url
   sensitive   = true
 }
+
+output "weights_bucket" {
+  description = "The models' weights bucket (weights.tf): the chart's modelWeights.bucket, where docs/deploy.md copies each model once."
+  value       = google_storage_bucket.weights.name
+}

@@ -160,6 +160,8 @@ BROKEN_BUT_RENDERING = {
     "more-cpu-workers": {"workers": {"cpu": {"replicas": 3, "minReplicas": 3, "maxReplicas": 5}}},
     # Room for 3 T4 pods while the pools can ask 4 GPUs.
     "small-gpu-group": {"workers": {"gpu": {"maxReplicas": 3}}},
+    # No weights bucket: nothing mounted where the vLLM pools load from.
+    "no-weights-bucket": {"modelWeights": {"bucket": ""}},
     # The T4 pods left to KubeRay's readiness probe: Serve endpoints while their HAProxy is up.
     "gpu-serve-endpoint": {"workers": {"gpu": {"serveEndpoint": True}}},
     # A key in the chart's values, in plain text.
@@ -749,6 +751,84 @@ def test_disk_check_catches_a_cache_without_its_request(renders):
     del gpu["resources"]["requests"]["ephemeral-storage"]  # as the chart rendered it before
     (problem,) = disk_problems(service)
     assert "ephemeral-storage asks 0" in problem
+
+
+# --- weights: the bucket Terraform creates, mounted where the vLLM pools load from -------------
+
+FUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
+
+
+def terraform_weights_bucket(tfvars: Path = ROOT / "terraform" / "terraform.tfvars.example") -> str:
+    """The weights bucket's name as Terraform makes it (weights.tf) for the example inputs."""
+    source = (ROOT / "terraform" / "weights.tf").read_text()
+    resource = source[source.index('resource "google_storage_bucket" "weights"') :]
+    template = re.search(r'name\s*=\s*"([^"]+)"', resource).group(1)
+    values = tfvars.read_text()
+    project = re.search(r'^project_id\s*=\s*"([^"]+)"', values, re.M).group(1)
+    name = template.replace("${var.project_id}", project)
+    name = name.replace("${var.cluster_name}", terraform_default("cluster_name"))
+    assert "${" not in name, f"bucket name {template!r}: a reference this test cannot follow"
+    return name
+
+
+def weights_problems(rayservice: dict, bucket: str) -> list[str]:
+    """Every vLLM pool on the GPU group loads its model from under the read-only GCS FUSE mount
+    of Terraform's weights bucket in that group's Ray container, and the pod asks GKE for the
+    FUSE sidecar (issue 32, item 12): otherwise each cold start downloads the weights from
+    Hugging Face (or, with the mount and a Hub id, still does)."""
+    group = gpu_group(rayservice)
+    spec = group["template"]["spec"]
+    mounts = {m["name"]: m for m in ray_container(spec).get("volumeMounts", [])}
+    fuse = {
+        v["name"]: v["csi"]
+        for v in spec["volumes"]
+        if v.get("csi", {}).get("driver") == FUSE_DRIVER and v["name"] in mounts
+    }
+    problems = []
+    paths = {}
+    for name, csi in fuse.items():
+        if csi["volumeAttributes"].get("bucketName") != bucket:
+            got = csi["volumeAttributes"].get("bucketName")
+            problems.append(f"{name}: mounts {got!r}, Terraform's bucket is {bucket!r}")
+        if not (csi.get("readOnly") and mounts[name].get("readOnly")):
+            problems.append(f"{name}: not read-only")
+        paths[name] = mounts[name]["mountPath"].rstrip("/") + "/"
+    annotations = group["template"]["metadata"].get("annotations", {})
+    if fuse and annotations.get("gke-gcsfuse/volumes") != "true":
+        problems.append("the GPU pods do not ask for the GCS FUSE sidecar (gke-gcsfuse/volumes)")
+    for pool in pool_applications(rayservice):
+        engine = pool.get("engine", {})
+        if engine.get("kind") != "vllm":
+            continue
+        if not any(engine["model"].startswith(path) for path in paths.values()):
+            problems.append(
+                f"{pool['name']}: loads {engine['model']!r}, not from the weights mount "
+                f"({sorted(paths.values()) or 'none'})"
+            )
+    return problems
+
+
+def test_the_gpu_pools_load_their_weights_from_terraforms_bucket(rendered):
+    assert weights_problems(rendered.one("RayService"), terraform_weights_bucket()) == []
+
+
+def test_weights_check_catches_a_hub_id_no_mount_and_another_bucket(renders):
+    bucket = terraform_weights_bucket()
+    assert bucket == "forge-prod-forge-weights"
+    service = copy.deepcopy(renders["production"].one("RayService"))
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = [a for a in config["applications"] if a["name"] == "forge-pool-primary"]
+    app["args"]["pool"]["engine"]["model"] = "Qwen/Qwen2.5-3B-Instruct"  # as the config was
+    service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    (problem,) = weights_problems(service, bucket)
+    assert "primary: loads 'Qwen/Qwen2.5-3B-Instruct'" in problem
+    unmounted = renders["no-weights-bucket"]
+    assert unmounted.error is None, unmounted.error
+    assert len(weights_problems(unmounted.one("RayService"), bucket)) == 2  # both pools
+    assert "Terraform's bucket" in weights_problems(renders["production"].one("RayService"), "x")[0]
+    no_sidecar = copy.deepcopy(renders["production"].one("RayService"))
+    del gpu_group(no_sidecar)["template"]["metadata"]["annotations"]
+    assert "FUSE sidecar" in weights_problems(no_sidecar, bucket)[0]
 
 
 # --- CPU nodes: the head and the gateways at steady state and through a NewCluster upgrade ---

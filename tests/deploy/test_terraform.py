@@ -33,7 +33,14 @@ EXAMPLE_VARS = TERRAFORM / "terraform.tfvars.example"
 POLICIES = TERRAFORM / "policies"
 
 # Every inline skip, each with its reason in the .tf; a new one must be added here on purpose.
-JUSTIFIED_SKIPS = {"CKV_GCP_6", "CKV_GCP_65", "CKV_GCP_66", "CKV_GCP_69", "CKV_GCP_84"}
+JUSTIFIED_SKIPS = {
+    "CKV_GCP_6",
+    "CKV_GCP_62",
+    "CKV_GCP_65",
+    "CKV_GCP_66",
+    "CKV_GCP_69",
+    "CKV_GCP_84",
+}
 
 OFFLINE_CHECKOV = {
     "BC_SKIP_MAPPING": "TRUE",  # no guideline/ID mapping download
@@ -437,6 +444,45 @@ def redis_problems(tree: Tree) -> list[str]:
     return problems
 
 
+PODS_ACCOUNT = "google_service_account.forge.email"
+
+
+def weights_problems(tree: Tree) -> list[str]:
+    """The weights bucket the GPU workers mount (issue 32, item 12): private, readable by the
+    Forge pods' own service account (the one their workload identity binding names), the
+    GCS FUSE CSI add-on on in the cluster."""
+    buckets = [(w, b) for w, b in resources(tree, "google_storage_bucket") if "weights" in w]
+    if len(buckets) != 1:
+        return [f"want one weights bucket, found {[w for w, _ in buckets]}"]
+    where, bucket = buckets[0]
+    problems = []
+    if bucket.get("uniform_bucket_level_access") is not True:
+        problems.append(f"{where}: no uniform bucket-level access")
+    if bucket.get("public_access_prevention") != "enforced":
+        problems.append(f"{where}: public access not prevented")
+    name = where.rsplit(".", 1)[1]
+    readers = [
+        body
+        for _, body in resources(tree, "google_storage_bucket_iam_member")
+        if f"google_storage_bucket.{name}." in str(body.get("bucket"))
+        and body.get("role") == "roles/storage.objectViewer"
+    ]
+    if not any(PODS_ACCOUNT in str(r.get("member")) for r in readers):
+        problems.append(f"{where}: the Forge pods' service account cannot read it")
+    bound = [
+        body
+        for _, body in resources(tree, "google_service_account_iam_member")
+        if body.get("role") == "roles/iam.workloadIdentityUser"
+    ]
+    if not any("google_service_account.forge." in str(b.get("service_account_id")) for b in bound):
+        problems.append("the reader is not the account the pods' workload identity binds")
+    for where, cluster in resources(tree, "google_container_cluster"):
+        fuse = first(cluster, "addons_config", "gcs_fuse_csi_driver_config")
+        if fuse.get("enabled") is not True:
+            problems.append(f"{where}: the GCS FUSE CSI driver is off")
+    return problems
+
+
 CHECKS: dict[str, Callable[[Tree], list[str]]] = {
     "gpu pool": gpu_pool_problems,
     "cpu pool": cpu_pool_problems,
@@ -445,10 +491,21 @@ CHECKS: dict[str, Callable[[Tree], list[str]]] = {
     "no keys": key_problems,
     "gcs backend": backend_problems,
     "redis": redis_problems,
+    "weights": weights_problems,
 }
 
 # check -> broken variants: each a rewrite of a copy of the tree the check must catch.
 BROKEN: dict[str, Callable[[Path], None]] = {
+    "weights|no bucket": lambda t: (t / "weights.tf").unlink(),
+    "weights|read by the nodes' account": lambda t: rewrite(
+        t, "weights.tf", PODS_ACCOUNT, "module.gke.node_service_account_email"
+    ),
+    "weights|public": lambda t: rewrite(
+        t, "weights.tf", 'public_access_prevention    = "enforced"', ""
+    ),
+    "weights|fuse add-on off": lambda t: rewrite(
+        t, GKE, "enabled = true", "enabled = false", after="gcs_fuse_csi_driver_config"
+    ),
     "gpu pool|min 1": lambda t: rewrite(
         t, GKE, "min_node_count = 0", "min_node_count = 1", after=GPU_POOL
     ),

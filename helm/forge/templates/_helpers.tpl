@@ -336,10 +336,17 @@ head (bool), gpu (bool), ports (list).
 {{- $root := .root }}
 {{- $values := $root.Values }}
 {{- $keysDir := include "forge.keysDir" $root -}}
+{{- $weights := and .gpu $values.modelWeights.bucket -}}
 metadata:
   labels:
     {{- include "forge.selectorLabels" $root | nindent 4 }}
     app.kubernetes.io/component: {{ .component }}
+  {{- if $weights }}
+  annotations:
+    # GKE's Cloud Storage FUSE CSI driver injects its sidecar (which mounts the bucket with the
+    # pod's workload identity) only into pods that ask for it.
+    gke-gcsfuse/volumes: "true"
+  {{- end }}
 spec:
   serviceAccountName: {{ include "forge.serviceAccountName" $root }}
   # No Kubernetes API token in Ray's containers (workload identity needs none); only the
@@ -365,6 +372,14 @@ spec:
         {{- toYaml .ports | nindent 8 }}
       env:
         {{- include "forge.env" (dict "root" $root "group" .group) | trim | nindent 8 }}
+        {{- with $values.secrets.hfToken }}{{ if and $.gpu .name }}
+        # Hugging Face's token (secrets.hfToken), for pools whose engine.model is a Hub id.
+        - name: HF_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ .name }}
+              key: {{ .key }}
+        {{- end }}{{ end }}
       resources:
         {{- $resources := deepCopy .group.resources }}
         {{- if .gpu }}
@@ -402,6 +417,10 @@ spec:
         {{- if $keysDir }}
         - {name: forge-keys, mountPath: {{ $keysDir }}, readOnly: true}
         {{- end }}
+        {{- if $weights }}
+        # The weights bucket (modelWeights), where configs/gke.yaml's vLLM pools load from.
+        - {name: model-weights, mountPath: {{ $values.modelWeights.mountPath }}, readOnly: true}
+        {{- end }}
   volumes:
     - name: tmp
       emptyDir: {sizeLimit: {{ .group.tmpSizeLimit }}}
@@ -411,6 +430,15 @@ spec:
       emptyDir: {sizeLimit: 64Mi}
     {{- if $keysDir }}
     {{- include "forge.keysVolume" $root | trim | nindent 4 }}
+    {{- end }}
+    {{- if $weights }}
+    - name: model-weights
+      csi:
+        driver: gcsfuse.csi.storage.gke.io
+        readOnly: true
+        volumeAttributes:
+          bucketName: {{ $values.modelWeights.bucket }}
+          mountOptions: {{ $values.modelWeights.mountOptions | quote }}
     {{- end }}
     {{- if .head }}
     # The autoscaler sidecar's API credentials (it patches the RayCluster's replicas;
