@@ -221,7 +221,7 @@ variable "gpu_machine_type" {
 }
 
 variable "gpu_max_nodes" {
-  description = "Most spot T4 nodes (per zone in gpu_node_zones). The pools scale from 0; this also bounds the spend. At least what the GPU pools can ask at once (configs/gke.yaml: primary 3 + embed 1); the project needs as much PREEMPTIBLE_NVIDIA_T4_GPUS quota."
+  description = "Most spot T4 nodes, in all of gpu_node_zones together (the pool's total_max_node_count). The pools scale from 0; this also bounds the spend. At least what the GPU pools can ask at once (configs/gke.yaml: primary 3 + embed 1); the project needs as much PREEMPTIBLE_NVIDIA_T4_GPUS quota."
   type        = number
   default     = 4
 
@@ -232,9 +232,9 @@ variable "gpu_max_nodes" {
 }
 
 variable "gpu_node_zones" {
-  description = "Zones where spot T4 nodes may start. More zones find spot capacity more often; each must offer T4s. Empty: the cluster's default."
+  description = "Zones where spot T4 nodes may start (location_policy ANY: whichever has capacity). More zones find spot capacity more often, and a zone's preemption wave or stock-out does not take every T4; each must offer T4s. The default is us-central1's four T4 zones: set it with another region. Empty: the cluster's zone alone."
   type        = list(string)
-  default     = []
+  default     = ["us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f"]
 
   validation {
     condition     = alltrue([for z in var.gpu_node_zones : startswith(z, "${var.region}-")])

@@ -950,9 +950,14 @@ def test_a_cpu_node_offers_what_gke_documents():
 # --- GPUs: what the pools can ask, the group can hold, and Terraform can start ---------------
 
 
-def terraform_gpu_nodes() -> int:
-    """The T4 nodes Terraform's defaults allow: ``gpu_max_nodes`` per zone of
-    ``gpu_node_zones`` (none listed: the cluster's one zone)."""
+def terraform_gpu_nodes(terraform: Path = ROOT / "terraform") -> int:
+    """The T4 nodes Terraform's defaults allow: ``gpu_max_nodes`` in all, when the pool caps
+    its total (``total_max_node_count``), else per zone of ``gpu_node_zones`` (none listed:
+    the cluster's one zone)."""
+    module = (terraform / "modules" / "gke" / "main.tf").read_text()
+    pool = module[module.index('resource "google_container_node_pool" "gpu"') :]
+    if "total_max_node_count = var.gpu_max_nodes" in pool:
+        return terraform_default("gpu_max_nodes")
     return terraform_default("gpu_max_nodes") * max(1, len(terraform_default("gpu_node_zones")))
 
 

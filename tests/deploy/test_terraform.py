@@ -103,7 +103,9 @@ def test_terraform_is_formatted():
 def test_fmt_check_catches_an_unformatted_file(tmp_path):
     tree = copy_tree(tmp_path / "terraform")
     # Deep in a module, so the check must recurse to see it.
-    rewrite(tree, GKE, "    min_node_count = 0\n", "  min_node_count=0\n", after=GPU_POOL)
+    rewrite(
+        tree, GKE, "    total_min_node_count = 0\n", "  total_min_node_count=0\n", after=GPU_POOL
+    )
     (tree / "bad.tf").write_text('variable "x" {\ntype=string\n  default = "a"\n}\n')
     done = fmt_check(tree)
     assert done.returncode != 0
@@ -298,8 +300,21 @@ def node_pools(tree: Tree) -> list[tuple[str, dict, bool]]:
     ]
 
 
+def variable_defaults(tree: Tree) -> dict[str, object]:
+    """The root module's variables' defaults, by name."""
+    return {
+        name: body.get("default")
+        for file, doc in tree.items()
+        if "/" not in file
+        for block in doc.get("variable", [])
+        for name, body in block.items()
+    }
+
+
 def gpu_pool_problems(tree: Tree) -> list[str]:
-    """The T4 pool: spot, autoscaled from 0, GPU-tainted, labelled, driver installed by GKE."""
+    """The T4 pool: spot, autoscaled from 0, GPU-tainted, labelled, driver installed by GKE;
+    spread over several zones by default with its cap counted across them (issue 32, item 15:
+    one zone's stock-out or preemption wave would take every T4)."""
     gpu = [(where, body) for where, body, has_gpu in node_pools(tree) if has_gpu]
     if not gpu:
         return ["no node pool with a guest_accelerator"]
@@ -309,8 +324,16 @@ def gpu_pool_problems(tree: Tree) -> list[str]:
         accelerator = first(node, "guest_accelerator")
         if node.get("spot") is not True:
             problems.append(f"{where}: node_config.spot is not true")
-        if first(body, "autoscaling").get("min_node_count") != 0:
-            problems.append(f"{where}: autoscaling.min_node_count is not 0")
+        autoscaling = first(body, "autoscaling")
+        if autoscaling.get("total_min_node_count") != 0:
+            problems.append(f"{where}: autoscaling.total_min_node_count is not 0")
+        if "var.gpu_max_nodes" not in str(autoscaling.get("total_max_node_count")):
+            problems.append(f"{where}: gpu_max_nodes is not the cap across zones")
+        if "var.gpu_node_zones" not in str(body.get("node_locations")):
+            problems.append(f"{where}: node_locations is not var.gpu_node_zones")
+        zones = variable_defaults(tree).get("gpu_node_zones") or []
+        if len(zones) < 2:
+            problems.append(f"gpu_node_zones defaults to {zones}: the T4s in one zone")
         if body.get("initial_node_count", 0) != 0:
             problems.append(f"{where}: initial_node_count is not 0")
         taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}
@@ -514,6 +537,16 @@ BROKEN: dict[str, Callable[[Path], None]] = {
     ),
     "gpu pool|no taint": lambda t: rewrite(
         t, GKE, 'key    = "nvidia.com/gpu"', 'key    = "forge.dev/gpu"', after=GPU_POOL
+    ),
+    "gpu pool|one zone": lambda t: rewrite(
+        t,
+        "variables.tf",
+        '["us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f"]',
+        "[]",
+        after='variable "gpu_node_zones"',
+    ),
+    "gpu pool|cap per zone": lambda t: rewrite(
+        t, GKE, "total_max_node_count = var.gpu_max_nodes", "max_node_count = var.gpu_max_nodes"
     ),
     "gpu pool|driver not installed": lambda t: rewrite(
         t, GKE, "gpu_driver_installation_config {", "gpu_sharing_config {", after=GPU_POOL

@@ -217,11 +217,13 @@ resource "google_container_node_pool" "gpu" {
   # Zero until KubeRay asks for a GPU worker: the T4 costs nothing while the fallback serves.
   initial_node_count = 0
 
+  # Totals across the pool's zones (not per zone): spot T4 capacity is taken in whichever zone
+  # of gpu_node_zones has it, and gpu_max_nodes stays the cap on T4s (and on the quota asked),
+  # however many zones are listed.
   autoscaling {
-    min_node_count = 0
-    max_node_count = var.gpu_max_nodes
-    # Take spot T4 capacity in whichever allowed zone has it.
-    location_policy = "ANY"
+    total_min_node_count = 0
+    total_max_node_count = var.gpu_max_nodes
+    location_policy      = "ANY"
   }
 
   management {

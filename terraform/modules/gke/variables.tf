@@ -110,7 +110,7 @@ variable "gpu_machine_type" {
 }
 
 variable "gpu_max_nodes" {
-  description = "Most T4 nodes (per zone); the pool's minimum is always 0."
+  description = "Most T4 nodes in all of gpu_node_zones together (total_max_node_count); the pool's minimum is always 0."
   type        = number
 
   validation {
