@@ -76,6 +76,13 @@ def build_control(args: dict[str, Any]) -> Application:
     return _board(None, *(_scheduler(pool) for pool in config.schedulers))
 
 
+# The schedulers and the board answer the gateways' calls, one or more per request: Serve's
+# access line for each was 15 % of a scheduler's busy CPU under the fairness flood (py-spy,
+# docs/benchmarks.md "Cheap shedding"), and says nothing the gateway's own access line and the
+# scheduler's metrics do not. Errors are still logged.
+INTERNAL_LOGGING = {"enable_access_log": False}
+
+
 def _scheduler(pool: str, admission: dict | None = None, tenants: list[dict] = ()) -> Application:
     return (
         serve.deployment(SchedulerDeployment)
@@ -84,6 +91,7 @@ def _scheduler(pool: str, admission: dict | None = None, tenants: list[dict] = (
             num_replicas=1,  # one slot budget per pool: exactly one owner
             max_ongoing_requests=100_000,  # waiters park here by design
             ray_actor_options={"num_cpus": 0},
+            logging_config=INTERNAL_LOGGING,
         )
         .bind(pool, admission, tenants)
     )
@@ -99,6 +107,7 @@ def _board(settings: dict | None, *schedulers: Application) -> Application:
             num_replicas=1,  # one owner of every breaker: one probe, fleet-wide
             max_ongoing_requests=10_000,
             ray_actor_options={"num_cpus": 0},
+            logging_config=INTERNAL_LOGGING,
         )
         .bind(settings, *schedulers)
     )

@@ -116,3 +116,16 @@ async def test_a_refusal_crosses_the_handle_as_a_value_and_is_raised_on_the_gate
         await client.acquire("alpha", None)
     assert (shed.value.reason, shed.value.tenant) == ("queue_full", "alpha")
     assert shed.value.retry_after_s > 0
+
+
+def test_the_control_application_writes_no_access_line_per_gateway_call():
+    """A gateway calls its scheduler once or more per request: Serve's access line for each
+    was 15 % of the scheduler's busy CPU under a flood. Errors are logged all the same."""
+    from serve_app.app import build_control
+
+    board = build_control({"schedulers": ["primary"]})
+    (scheduler,) = board._bound_deployment.init_args[1:]
+    for app in (board, scheduler):
+        config = app._bound_deployment._deployment_config.logging_config
+        assert config["enable_access_log"] is False, app._bound_deployment.name
+        assert config["log_level"] == "INFO"
