@@ -124,6 +124,10 @@ class SimulatedEngineConfig(_Strict):
     max_num_batched_tokens: Annotated[int, Field(gt=0)] = 2048
     # Length of the vectors a ``task: embed`` pool returns (``engines/embeddings.py``).
     embedding_dim: Annotated[int, Field(gt=0)] = 384
+    # Benchmarks only (``loadtest/concurrency.py``): each stream generates on a timer of its own
+    # at this rate, outside the batched steps, and each token's text is the engine's clock when
+    # it sent it, so a client can subtract the engine's own schedule (``engines/paced.py``).
+    paced_tokens_per_s: Annotated[float, Field(gt=0)] | None = None
     # LoRA adapters resident at once (vLLM's max_loras): a batch holds requests of at most
     # this many adapters; another waits for a slot, and loading one costs adapter_load_s.
     max_loras: Annotated[int, Field(gt=0)] = 4

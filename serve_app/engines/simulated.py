@@ -26,6 +26,7 @@ from serve_app.engines.embeddings import (
     output_dimensions,
 )
 from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
+from serve_app.engines.paced import paced_tokens
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
 from serve_app.engines.tool_calls import ToolCall, plan_tool_calls
 from serve_app.kvcache.events import KvEventPublisher
@@ -217,6 +218,11 @@ class SimulatedEngine(Engine):
                 async for item in items:
                     yield item
             return
+        if self.config.paced_tokens_per_s is not None:
+            async with contextlib.aclosing(self._stream_paced(body, kind, request_id)) as items:
+                async for item in items:
+                    yield item
+            return
         ids, tokens, stopped = self._generate(body, kind, request_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
@@ -249,6 +255,34 @@ class SimulatedEngine(Engine):
                 # same, once. A stream left while the engine still generated is the engine's
                 # abort to report (``on_abort``), what it generated included.
                 self.abandoned.record(request_id, Usage(len(ids), completion_tokens, cached))
+
+    async def _stream_paced(
+        self, body: dict, kind: Kind, request_id: str
+    ) -> AsyncIterator[bytes | Usage]:
+        """A benchmark's stream (``engines/paced.py``): off the batched steps, each token's
+        text its emission time; usage as any stream's, abandoned usage when the caller left."""
+        assert self.config.paced_tokens_per_s is not None
+        ids, max_tokens = self._prepare(body, kind)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
+        generated = 0
+        handed = False
+        try:
+            async for text, last in paced_tokens(max_tokens, self.config.paced_tokens_per_s):
+                if generated == 0 and kind == "chat":
+                    yield chunk.role()
+                generated += 1
+                yield chunk.token(text)
+                if last:
+                    yield chunk.finish("length")
+            usage = Usage(len(ids), generated, 0)
+            if include_usage:
+                yield chunk.usage(usage)
+            handed = True
+            yield usage
+        finally:
+            if not handed:
+                self.abandoned.record(request_id, Usage(len(ids), generated, 0))
 
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
         if kind == "embedding":
