@@ -9,8 +9,11 @@ import asyncio
 import contextlib
 import datetime as dt
 
+import httpx
+
 from serve_app.config.models import load_config
 from serve_app.local import build_local_gateway
+from serve_app.mock_openai import create_mock_app
 from tests.gateway.test_server import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_args, http
 from tests.gateway.test_server import upstream as mock_upstream
 from tests.polling import eventually_async
@@ -70,3 +73,39 @@ async def test_a_non_streamed_request_cancelled_mid_generation_is_charged_the_en
     assert row.counts.get("estimated_requests", 0) == 0, row.counts
     assert row.counts["prompt_tokens"] == spent["prompt_tokens"], (row.counts, spent)
     assert row.counts["completion_tokens"] == spent["completion_tokens"], (row.counts, spent)
+
+
+async def test_a_non_streamed_request_the_fallback_was_answering_is_charged_an_estimate(
+    monkeypatch,
+):
+    """The fallback bills the prompt it was sent, and no replica can say what it spent: the
+    tenant is charged the gateway's estimate of the prompt, flagged as estimated (it was
+    charged nothing)."""
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    # Still generating when the client leaves: 2,000 tokens of 5 ms each.
+    slow = {**FAST, "decode_base_s": 0.005, "output_tokens_min": 2000, "output_tokens_max": 2000}
+    upstream = httpx.ASGITransport(create_mock_app("mock-gemini", slow, api_key=UPSTREAM_KEY))
+    gateway = build_local_gateway(load_config(forge_args()), fallback_transport=upstream)
+    body = {
+        "model": "mock-gemini",
+        "messages": [{"role": "user", "content": "Tell me everything about gateways"}],
+        **LONG,
+    }
+    async with gateway.lifespan(), http(gateway) as client:
+        sent = asyncio.create_task(
+            client.post(
+                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
+            )
+        )
+        await asyncio.sleep(0.3)
+        assert not sent.done()
+        sent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+        await gateway.ledger.flush()
+        today = dt.datetime.now(dt.UTC).date()
+        (row,) = await gateway.ledger.read(["alpha"], today, today, by_day=False)
+    assert row.counts["fallback_requests"] == 1, row.counts
+    assert row.counts["estimated_requests"] == 1, row.counts
+    assert row.counts["prompt_tokens"] > 0, row.counts
+    assert row.counts.get("completion_tokens", 0) == 0, row.counts
