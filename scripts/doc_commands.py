@@ -904,6 +904,7 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
             "gcloud auth application-default login",
             "gcloud secrets versions add",
             "gcloud secrets versions access",
+            "gcloud storage rsync",
             "terraform",
             "terraform init",
             "terraform apply",

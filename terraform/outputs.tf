@@ -103,3 +103,8 @@ output "weights_bucket" {
   description = "The models' weights bucket (weights.tf): the chart's modelWeights.bucket, where docs/deploy.md copies each model once."
   value       = google_storage_bucket.weights.name
 }
+
+output "ray_gcs_redis_host" {
+  description = "Ray's GCS fault-tolerance Memorystore (STANDARD_HA): its private IP. Its rediss:// address, AUTH string and CA are in the forge-ray-gcs-redis-* secrets, which docs/deploy.md copies into the forge-ray-gcs-redis Secret the chart reads."
+  value       = google_redis_instance.ray_gcs.host
+}

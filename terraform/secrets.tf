@@ -6,14 +6,17 @@ locals {
   forge_secrets = {
     # Only if the fallback uses an API key (Gemini's OpenAI-compatible endpoint on AI Studio):
     # on Vertex AI (configs/gke.yaml, auth: gcp_metadata) the pods need no key at all.
-    "gemini-api-key"    = "Gemini API key, for a fallback that uses one instead of Vertex AI's workload identity."
-    "tenant-key-hashes" = "Tenants' API key hashes, {tenant: [sha256 hex]} YAML (key-hashes.yaml)."
-    "admin-key-hashes"  = "Operators' /admin key hashes (admin-key-hashes.yaml)."
-    "redis-url"         = "FORGE_REDIS_URL: the budgets' Memorystore, with AUTH and TLS (written by Terraform)."
-    "redis-ca"          = "The budgets' Memorystore's server CA certificate (PEM), for the TLS in redis-url (written by Terraform)."
-    "redis-cache-url"   = "FORGE_CACHE_REDIS_URL: the response cache's Memorystore, with AUTH and TLS (written by Terraform)."
-    "redis-cache-ca"    = "The response cache's Memorystore's server CA certificate (PEM), for the TLS in redis-cache-url (written by Terraform)."
-    "ledger-url"        = "FORGE_LEDGER_URL: the usage ledger, Cloud SQL for PostgreSQL over private IP and TLS (written by Terraform)."
+    "gemini-api-key"         = "Gemini API key, for a fallback that uses one instead of Vertex AI's workload identity."
+    "tenant-key-hashes"      = "Tenants' API key hashes, {tenant: [sha256 hex]} YAML (key-hashes.yaml)."
+    "admin-key-hashes"       = "Operators' /admin key hashes (admin-key-hashes.yaml)."
+    "redis-url"              = "FORGE_REDIS_URL: the budgets' Memorystore, with AUTH and TLS (written by Terraform)."
+    "redis-ca"               = "The budgets' Memorystore's server CA certificate (PEM), for the TLS in redis-url (written by Terraform)."
+    "redis-cache-url"        = "FORGE_CACHE_REDIS_URL: the response cache's Memorystore, with AUTH and TLS (written by Terraform)."
+    "redis-cache-ca"         = "The response cache's Memorystore's server CA certificate (PEM), for the TLS in redis-cache-url (written by Terraform)."
+    "ledger-url"             = "FORGE_LEDGER_URL: the usage ledger, Cloud SQL for PostgreSQL over private IP and TLS (written by Terraform)."
+    "ray-gcs-redis-address"  = "Ray's GCS fault tolerance: its own Memorystore's rediss://host:port (ray_gcs.tf; written by Terraform)."
+    "ray-gcs-redis-password" = "Ray's GCS fault tolerance: that Memorystore's AUTH string (written by Terraform)."
+    "ray-gcs-redis-ca"       = "Ray's GCS fault tolerance: that Memorystore's server CA certificate (PEM; written by Terraform)."
   }
 }
 

@@ -304,6 +304,17 @@ variable "redis_cache_memory_size_gb" {
   }
 }
 
+variable "ray_gcs_redis_memory_size_gb" {
+  description = "Capacity of Ray's GCS fault-tolerance Memorystore (STANDARD_HA, noeviction; ray_gcs.tf), in GB. It holds the GCS's tables (a few MB for this cluster's actors and nodes): the smallest size carries it."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.ray_gcs_redis_memory_size_gb >= 1 && var.ray_gcs_redis_memory_size_gb <= 300
+    error_message = "ray_gcs_redis_memory_size_gb must be from 1 to 300."
+  }
+}
+
 # --- Images and CI ---------------------------------------------------------------------------
 
 variable "artifact_repository_id" {

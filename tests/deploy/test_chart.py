@@ -160,6 +160,12 @@ BROKEN_BUT_RENDERING = {
     "more-cpu-workers": {"workers": {"cpu": {"replicas": 3, "minReplicas": 3, "maxReplicas": 5}}},
     # Room for 3 T4 pods while the pools can ask 4 GPUs.
     "small-gpu-group": {"workers": {"gpu": {"maxReplicas": 3}}},
+    # The head's GCS in memory only: its loss is the whole Ray cluster's.
+    "no-gcs-fault-tolerance": {"gcsFaultTolerance": {"enabled": False}},
+    # The GCS's address from the budgets' Redis Secret.
+    "gcs-on-the-budgets-redis": {
+        "secrets": {"rayGcsRedisAddress": {"name": "forge-redis", "key": "url"}}
+    },
     # No weights bucket: nothing mounted where the vLLM pools load from.
     "no-weights-bucket": {"modelWeights": {"bucket": ""}},
     # The T4 pods left to KubeRay's readiness probe: Serve endpoints while their HAProxy is up.
@@ -700,6 +706,85 @@ def test_disruption_check_catches_budgets_turned_off(renders):
     off = renders["no-disruption-budgets"]
     assert off.error is None, off.error
     assert len(disruption_problems(off)) == 2
+
+
+# --- the head's loss: GCS fault tolerance on a Redis of its own ---------------------------------
+
+
+def projected_file(spec: dict, container: dict, path: str) -> dict | None:
+    """The Secret item a container sees at ``path`` through a mounted projected volume."""
+    directory, name = path.rsplit("/", 1)
+    mounts = {m["name"] for m in container.get("volumeMounts", []) if m["mountPath"] == directory}
+    for volume in spec["volumes"]:
+        if volume["name"] not in mounts:
+            continue
+        for source in volume.get("projected", {}).get("sources", []):
+            for item in source.get("secret", {}).get("items", []):
+                if item["path"] == name:
+                    return {"name": source["secret"]["name"], "key": item["key"]}
+    return None
+
+
+def gcs_fault_tolerance_problems(rayservice: dict) -> list[str]:
+    """The head's GCS keeps its tables in a Redis of its own, over TLS, with its password and
+    address from Secrets (issue 32, item 15): without it a lost head restarts the whole Ray
+    cluster, and on the budgets' or the cache's instance a FLUSH or an eviction there would
+    take the cluster's state."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    options = cluster.get("gcsFaultToleranceOptions")
+    if options is None:
+        return ["no gcsFaultToleranceOptions: a lost head restarts the whole Ray cluster"]
+    spec = cluster["headGroupSpec"]["template"]["spec"]
+    head = ray_container(spec)
+    env = {e["name"]: e for e in head.get("env", [])}
+    problems = []
+    address = options.get("redisAddress", "")
+    secret = None
+    if reference := re.fullmatch(r"\$\((\w+)\)", address):
+        secret = env.get(reference[1], {}).get("valueFrom", {}).get("secretKeyRef")
+        if secret is None:
+            problems.append(
+                f"redisAddress names ${reference[1]}, which the head container does not take from "
+                "a Secret: Kubernetes would not expand it"
+            )
+    elif not address.startswith("rediss://"):
+        problems.append(f"redisAddress {address!r}: not TLS (rediss://)")
+    password = options.get("redisPassword", {})
+    if "secretKeyRef" not in password.get("valueFrom", {}):
+        problems.append("redisPassword is not taken from a Secret")
+    forge_stores = {
+        env[name]["valueFrom"]["secretKeyRef"]["name"]
+        for name in ("FORGE_REDIS_URL", "FORGE_CACHE_REDIS_URL")
+        if name in env
+    }
+    if secret is not None and secret["name"] in forge_stores:
+        problems.append(f"the GCS's Redis is {secret['name']}, Forge's budgets' or cache's")
+    ca = env.get("RAY_REDIS_CA_CERT", {}).get("value")
+    if ca is None or projected_file(spec, head, ca) is None:
+        problems.append(f"RAY_REDIS_CA_CERT {ca!r}: no mounted CA to verify the Redis's TLS")
+    return problems
+
+
+def test_the_head_can_be_lost_without_the_cluster(rendered):
+    assert gcs_fault_tolerance_problems(rendered.one("RayService")) == []
+
+
+def test_gcs_fault_tolerance_check_catches_it_off_shared_or_unverified(renders):
+    off = renders["no-gcs-fault-tolerance"]
+    assert off.error is None, off.error
+    (problem,) = gcs_fault_tolerance_problems(off.one("RayService"))
+    assert "restarts the whole Ray cluster" in problem
+    shared = renders["gcs-on-the-budgets-redis"]
+    assert shared.error is None, shared.error
+    (problem,) = gcs_fault_tolerance_problems(shared.one("RayService"))
+    assert "Forge's budgets' or cache's" in problem
+    service = copy.deepcopy(renders["production"].one("RayService"))
+    cluster = service["spec"]["rayClusterConfig"]
+    cluster["gcsFaultToleranceOptions"]["redisAddress"] = "redis://10.0.0.9:6379"
+    cluster["gcsFaultToleranceOptions"]["redisPassword"] = {"value": "in-git"}
+    head = ray_container(cluster["headGroupSpec"]["template"]["spec"])
+    head["env"] = [e for e in head["env"] if e["name"] != "RAY_REDIS_CA_CERT"]
+    assert len(gcs_fault_tolerance_problems(service)) == 3
 
 
 # --- disk: what the emptyDirs may fill is asked for, and fits the node --------------------------
@@ -1427,12 +1512,15 @@ def test_secret_check_catches_a_literal_key(renders):
 
 def test_key_hashes_are_mounted_where_the_serve_config_reads_them(rendered):
     """And the Memorystore CAs beside them, where terraform's redis_url and redis_cache_url name
-    them (the cache's only while the cache has a store of its own)."""
+    them (the cache's only while the cache has a store of its own), and the GCS Redis's where
+    the head's RAY_REDIS_CA_CERT names it (while GCS fault tolerance is on)."""
     args = forge_app(serve_config(rendered))["args"]
     keys_dir = args["key_hashes_file"].rsplit("/", 1)[0]
     files = {args["key_hashes_file"], args["admin"]["key_hashes_file"], f"{keys_dir}/redis-ca.pem"}
     if args.get("cache", {}).get("store"):
         files.add(f"{keys_dir}/redis-cache-ca.pem")
+    if "gcsFaultToleranceOptions" in rendered.one("RayService")["spec"]["rayClusterConfig"]:
+        files.add(f"{keys_dir}/ray-gcs-redis-ca.pem")
     for group, spec in pod_specs(rendered.one("RayService")).items():
         (mount,) = [m for m in ray_container(spec)["volumeMounts"] if m["name"] == "forge-keys"]
         (volume,) = [v for v in spec["volumes"] if v["name"] == "forge-keys"]

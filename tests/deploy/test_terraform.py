@@ -418,15 +418,22 @@ def backend_problems(tree: Tree) -> list[str]:
 REDIS_ROLES = {
     "budgets": {"tier": "STANDARD_HA", "policy": "noeviction", "persistence": "RDB"},
     "cache": {"tier": "BASIC", "policy": "allkeys-lru", "persistence": None},
+    # Ray's GCS fault tolerance (ray_gcs.tf): its own instance, since the GCS stops without it.
+    "ray_gcs": {"tier": "STANDARD_HA", "policy": "noeviction", "persistence": "RDB"},
 }
 # The URL each instance makes, and so the variable the pods read it from.
-REDIS_URLS = {"budgets": "redis_url", "cache": "redis_cache_url"}
+REDIS_URLS = {
+    "budgets": "redis_url",
+    "cache": "redis_cache_url",
+    "ray_gcs": "ray_gcs_redis_address",
+}
 
 
 def redis_problems(tree: Tree) -> list[str]:
     """Budgets on a Memorystore that never evicts and outlives a maintenance restart or a
     failover (STANDARD_HA, noeviction, RDB); the cache on its own, which may evict and vanish
-    (BASIC, allkeys-lru); AUTH and TLS on both; each URL made from its own instance."""
+    (BASIC, allkeys-lru); Ray's GCS on a third, as durable as the budgets' (issue 32, item 15);
+    AUTH and TLS on all; each URL made from its own instance."""
     found = {
         where.rsplit(".", 1)[1]: (where, body)
         for where, body in resources(tree, "google_redis_instance")
@@ -464,6 +471,8 @@ def redis_problems(tree: Tree) -> list[str]:
             f"google_redis_instance.{other}." in text for other in others
         ):
             problems.append(f"local.{url} is not made from google_redis_instance.{instance}")
+        if "rediss://" not in text:
+            problems.append(f"local.{url} does not ask for TLS (rediss://)")
     return problems
 
 
@@ -593,6 +602,16 @@ BROKEN: dict[str, Callable[[Path], None]] = {
         "redis.tf",
         "google_redis_instance.cache.host",
         "google_redis_instance.budgets.host",
+    ),
+    "redis|ray gcs on the budgets' instance": lambda t: rewrite(
+        t, "ray_gcs.tf", "google_redis_instance.ray_gcs.host", "google_redis_instance.budgets.host"
+    ),
+    "redis|no ray gcs instance": lambda t: (t / "ray_gcs.tf").unlink(),
+    "redis|ray gcs address without TLS": lambda t: rewrite(
+        t, "ray_gcs.tf", '"rediss://%s:%d"', '"redis://%s:%d"'
+    ),
+    "redis|ray gcs evictable": lambda t: rewrite(
+        t, "ray_gcs.tf", 'maxmemory-policy = "noeviction"', 'maxmemory-policy = "allkeys-lru"'
     ),
     "redis|cache without TLS": lambda t: rewrite(
         t,

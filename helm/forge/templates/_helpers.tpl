@@ -275,6 +275,13 @@ at the directory of key_hashes_file. Returns "" when the config reads no key fil
             - key: {{ .key }}
               path: redis-cache-ca.pem
 {{- end }}{{ end }}{{ end }}{{ end }}
+{{- if .Values.gcsFaultTolerance.enabled }}{{ with .Values.secrets.rayGcsRedisCa }}
+      - secret:
+          name: {{ .name }}
+          items:
+            - key: {{ .key }}
+              path: ray-gcs-redis-ca.pem
+{{- end }}{{ end }}
 {{- with $args.admin }}{{ with .key_hashes_file }}
 {{- if ne (dir .) $dir }}
 {{- fail (printf "admin.key_hashes_file (%s) must be in the directory of key_hashes_file (%s)" . $dir) }}
@@ -372,6 +379,17 @@ spec:
         {{- toYaml .ports | nindent 8 }}
       env:
         {{- include "forge.env" (dict "root" $root "group" .group) | trim | nindent 8 }}
+        {{- if and .head $values.gcsFaultTolerance.enabled }}
+        # GCS fault tolerance: the Redis gcsFaultToleranceOptions.redisAddress names (expanded by
+        # Kubernetes into KubeRay's RAY_REDIS_ADDRESS), and the CA its TLS is verified against.
+        - name: FORGE_RAY_GCS_REDIS_ADDRESS
+          valueFrom:
+            secretKeyRef:
+              name: {{ $values.secrets.rayGcsRedisAddress.name }}
+              key: {{ $values.secrets.rayGcsRedisAddress.key }}
+        - name: RAY_REDIS_CA_CERT
+          value: {{ printf "%s/ray-gcs-redis-ca.pem" $keysDir }}
+        {{- end }}
         {{- with $values.secrets.hfToken }}{{ if and $.gpu .name }}
         # Hugging Face's token (secrets.hfToken), for pools whose engine.model is a Hub id.
         - name: HF_TOKEN
