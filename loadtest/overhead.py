@@ -220,7 +220,8 @@ class Server:
 
     ``argv`` follows this interpreter unless ``python`` is False (then it is the whole command);
     ``env`` is added to this process's environment unless ``inherit_env`` is False. With
-    ``log``, the server's output goes to that file (there is then no READY line to read)."""
+    ``log``, the server's output goes to that file (there is then no READY line to read).
+    ``cpus``: the cores it is pinned to (taskset's list)."""
 
     def __init__(
         self,
@@ -230,10 +231,11 @@ class Server:
         python: bool = True,
         inherit_env: bool = True,
         log: Path | None = None,
+        cpus: str = "0",
     ) -> None:
         self._log = open(log, "w") if log else None  # closed in stop()
         self.proc = subprocess.Popen(
-            ["taskset", "-c", "0", *([sys.executable] if python else []), *argv],
+            ["taskset", "-c", cpus, *([sys.executable] if python else []), *argv],
             stdout=self._log or subprocess.PIPE,
             stderr=subprocess.STDOUT if self._log else subprocess.DEVNULL,
             text=True,

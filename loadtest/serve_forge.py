@@ -22,16 +22,29 @@ BENCH_KEY = "sk-bench-local-only"
 PIPELINES = ("full", "unmetered", "quota", "bare")
 
 
-def forge_args(engine: dict, replicas: int, redis_url: str | None, pipeline: str = "full") -> dict:
+def forge_args(
+    engine: dict,
+    replicas: int,
+    redis_url: str | None,
+    pipeline: str = "full",
+    max_streams: int | None = None,
+) -> dict:
     """``full``: every stage on, with a metered tenant (budgets too large to bite) and fair
     admission; ``unmetered``: all that but the usage records and the response cache (the
     pipeline before them); ``quota``: no admission; ``bare``: no budgets and no admission
-    either."""
-    limits = {"rpm": 10**7, "tpm": 10**9, "max_concurrent_streams": 10**4}
-    admission = {"max_inflight": 4096, "queue_cap": 4096}
+    either. ``max_streams``: room for that many open streams at every limit on the way (the
+    gateway's and the pool's ``max_ongoing_requests``, admission, the tenant's stream cap;
+    ``loadtest/concurrency.py`` says why each)."""
+    room = max(max_streams or 0, 4096)
+    limits = {"rpm": 10**7, "tpm": 10**9, "max_concurrent_streams": max(room, 10**4)}
+    admission = {"max_inflight": room, "queue_cap": room}
     usage = pipeline not in ("unmetered", "bare")
+    gateway: dict = {"ray_actor_options": {"num_cpus": 0}}
+    pool: dict = {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}}
+    if max_streams:
+        gateway["max_ongoing_requests"] = pool["max_ongoing_requests"] = room + 64
     return {
-        "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
+        "gateway": {"deployment": gateway},
         "cache": {"enabled": usage},
         "metering": {"enabled": usage},
         "store": {"redis_url": redis_url, "key_prefix": "forge-bench:"},
@@ -48,7 +61,7 @@ def forge_args(engine: dict, replicas: int, redis_url: str | None, pipeline: str
                 "model": "forge-sim",
                 "engine": engine,
                 "admission": admission if pipeline in ("full", "unmetered") else None,
-                "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
+                "deployment": pool,
             }
         ],
     }
@@ -63,6 +76,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--redis-url", default=None, help="the store; embedded without one")
     parser.add_argument("--pipeline", choices=PIPELINES, default="full")
+    parser.add_argument("--max-streams", type=int, default=None, help="room for this many")
     args = parser.parse_args()
 
     import ray
@@ -74,7 +88,9 @@ def main() -> None:
     ray.init(num_cpus=1, object_store_memory=100 * 1024 * 1024, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     engine = orjson.loads(args.engine)
-    app = build_app(forge_args(engine, args.replicas, args.redis_url, args.pipeline))
+    app = build_app(
+        forge_args(engine, args.replicas, args.redis_url, args.pipeline, args.max_streams)
+    )
     serve.run(app, name="forge", route_prefix="/")
     time.sleep(2)  # let the proxy learn the routes
     direct = replica_admin.direct_ingress_url("forge") or "-"
