@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Point the Forge deployment at new images: rewrite the tag on every line marked
 # `# forge-image-tag` in cluster/apps/forge.yaml (the chart's image values) and
-# cluster/forge/eval-gate.yaml (the gate's image), and nothing else. CI runs it, then commits the
-# change for ArgoCD (.github/workflows/deploy.yml); tests/deploy/test_cluster.py runs it on a copy.
+# cluster/forge/eval-gate.yaml (the post-switch check's image), and nothing else. CI runs it once
+# the eval gate passed against the pushed images, commits the change to main and fast-forwards
+# `production` (what ArgoCD follows) to that commit (.github/workflows/deploy.yml);
+# tests/deploy/test_cluster.py runs it on a copy, and tests/deploy/test_images_and_workflow.py runs
+# the workflow's whole step on a scratch repository.
 #
 #   cluster/bump-image-tag.sh <tag> [root]      # root: the tree to edit (default: this checkout)
 set -euo pipefail

@@ -6,12 +6,18 @@ secret-looking in ARG/ENV, and every COPY source inside the build context .docke
 through. The workflow: GitHub's workflow schema (check-jsonschema's vendored copy), zizmor
 --offline clean, every action pinned by commit SHA with its release in a comment, keyless
 (workload identity federation, ``id-token: write`` in the one job that pushes), the job order the
-design says. Each check is fed a broken copy and must catch it.
+design says, and the gate before traffic: ``production`` (what ArgoCD follows) moves only in a job
+that runs when every gate passed, the eval gate runs against the pushed image, and the promotion
+step itself, run on a scratch repository, fast-forwards ``production`` or pushes nothing. Each
+check is fed a broken copy and must catch it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -378,6 +384,236 @@ def test_the_jobs_run_in_the_designed_order():
         assert (ROOT / path).is_file()
     assert "cluster/bump-image-tag.sh" in runs["deploy"]
     assert (ROOT / "cluster" / "bump-image-tag.sh").is_file()
+
+
+# --- the gate before traffic -----------------------------------------------------------------
+#
+# ArgoCD follows `production` (tests/deploy/test_cluster.py checks every Application). Here: the
+# one job that moves it runs only when the tests, the local gate and the eval gate against the
+# pushed image all passed; and its step, run for real on a scratch repository, moves production by
+# fast-forward to the commit that pins the new images, or pushes nothing at all.
+
+PRODUCTION_REF = "production"
+_STATUS_FUNCTIONS = ("always()", "failure()", "cancelled()")
+
+
+def as_list(needs) -> list[str]:
+    return [] if needs is None else [needs] if isinstance(needs, str) else list(needs)
+
+
+def jobs_that_run(wf: dict, failing: set[str]) -> set[str]:
+    """GitHub's rule for a push: a job runs when every job it needs ran and succeeded, unless its
+    `if` calls a status function (always(), failure(), cancelled()), which runs it regardless.
+    ``failing``: the jobs that run and fail."""
+    jobs = wf["jobs"]
+    ran: set[str] = set()
+    succeeded: set[str] = set()
+    pending = list(jobs)
+    while pending:
+        for name in list(pending):
+            needs = as_list(jobs[name].get("needs"))
+            if any(n in pending for n in needs):
+                continue
+            pending.remove(name)
+            condition = str(jobs[name].get("if", ""))
+            regardless = any(f in condition for f in _STATUS_FUNCTIONS)
+            if regardless or all(n in succeeded for n in needs):
+                ran.add(name)
+                if name not in failing:
+                    succeeded.add(name)
+    return ran
+
+
+def production_pushers(wf: dict) -> set[str]:
+    """The jobs whose steps push the production ref."""
+    return {
+        name
+        for name, job in wf["jobs"].items()
+        for step in job["steps"]
+        if re.search(rf"git push\b.*:(refs/heads/)?{PRODUCTION_REF}\b", step.get("run", ""))
+    }
+
+
+def gate_steps(wf: dict) -> dict[str, list[str]]:
+    """Job → the names of its steps that run the eval gate (`python -m evals`)."""
+    out: dict[str, list[str]] = {}
+    for name, job in wf["jobs"].items():
+        for step in job["steps"]:
+            if re.search(r"python -m evals\b", step.get("run", "")):
+                out.setdefault(name, []).append(step.get("name", ""))
+    return out
+
+
+def promotion_problems(wf: dict) -> list[str]:
+    """How production could move without every gate: each job that runs a gate (or the tests)
+    failing in turn, a job that pushes production must not run; and no gate step may be allowed
+    to fail (continue-on-error)."""
+    problems = []
+    pushers = production_pushers(wf)
+    if not pushers:
+        problems.append(f"no job pushes {PRODUCTION_REF}: ArgoCD would never see a release")
+    gated = set(gate_steps(wf)) | {"tests"}
+    for failing in sorted(gated):
+        moved = jobs_that_run(wf, {failing}) & pushers
+        if moved:
+            problems.append(f"{failing} failing, {sorted(moved)} still push {PRODUCTION_REF}")
+    for name, job in wf["jobs"].items():
+        for step in job["steps"]:
+            if step.get("continue-on-error") and step.get("name") in gate_steps(wf).get(name, []):
+                problems.append(f"{name}: {step['name']} may fail without failing the job")
+    return problems
+
+
+def test_production_moves_only_after_every_gate_passed():
+    wf = workflow()
+    assert production_pushers(wf) == {"deploy"}
+    assert set(gate_steps(wf)) == {"local-gate", "images"}
+    assert promotion_problems(wf) == []
+
+
+def test_a_promotion_that_outlives_a_failed_gate_is_caught():
+    wf = workflow()
+    wf["jobs"]["deploy"]["if"] = "${{ always() }}"
+    assert any("images failing" in p for p in promotion_problems(wf))
+    wf = workflow()
+    wf["jobs"]["deploy"]["needs"] = "tests"
+    assert any("images failing" in p for p in promotion_problems(wf))
+    wf = workflow()
+    gate = next(s for s in wf["jobs"]["images"]["steps"] if "python -m evals" in s.get("run", ""))
+    gate["continue-on-error"] = True
+    assert any("may fail" in p for p in promotion_problems(wf))
+
+
+def test_the_eval_gate_runs_whole_against_the_pushed_gateway_image():
+    """The gate before traffic is the whole gate (the flood and the failover drill included: they
+    hit CI's container) against the image ArgoCD will run, pulled back by its digest."""
+    steps = workflow()["jobs"]["images"]["steps"]
+    names = [s.get("name") for s in steps]
+    gateway = next(s for s in steps if s.get("with", {}).get("file") == "images/gateway.Dockerfile")
+    (gate_name,) = gate_steps(workflow())["images"]
+    gate = steps[names.index(gate_name)]
+    assert names.index(gate_name) > steps.index(gateway), "the gate needs the pushed image"
+    assert gate["env"]["CANDIDATE"] == (
+        "${{ env.REGISTRY }}/forge-ray@${{ steps." + gateway["id"] + ".outputs.digest }}"
+    )
+    run = gate["run"]
+    assert re.search(r'"\$CANDIDATE" .*exec serve run configs/local\.yaml', run)
+    # configs/local.yaml's HAProxy wrapper path, relative to the working directory, exists there.
+    haproxy = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["controller_options"][
+        "runtime_env"
+    ]["env_vars"]["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    assert f'ln -sf "$(command -v forge-haproxy)" {haproxy}' in run
+    command = re.search(r"python -m evals (.*)$", run, re.MULTILINE).group(1)
+    assert "--only" not in command, "every check, the drills included"
+    assert "--flood-key" in command, "the isolation drill runs (skipped without a flood tenant)"
+    assert "--profile" not in command, "configs/local.yaml's calibrated profile (the default)"
+
+
+PROMOTE_STEP = "Bump the image tag in cluster/, push main and fast-forward production"
+
+
+def promotion_script() -> str:
+    (step,) = [s for s in workflow()["jobs"]["deploy"]["steps"] if s.get("name") == PROMOTE_STEP]
+    return step["run"]
+
+
+def git(*args: str, cwd: Path) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.invalid",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }
+    done = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"git {' '.join(args)}: {done.stderr}"
+    return done.stdout.strip()
+
+
+def scratch_origin(tmp: Path) -> tuple[Path, Path]:
+    """A bare `origin` whose main holds cluster/ two commits past production, and a checkout of
+    main as actions/checkout leaves it."""
+    work = tmp / "work"
+    work.mkdir()
+    git("init", "-q", "-b", "main", cwd=work)
+    shutil.copytree(ROOT / "cluster", work / "cluster")
+    git("add", "-A", cwd=work)
+    git("commit", "-q", "-m", "released", cwd=work)
+    git("branch", PRODUCTION_REF, cwd=work)
+    (work / "README.md").write_text("merged, not yet released\n")
+    git("add", "-A", cwd=work)
+    git("commit", "-q", "-m", "merged", cwd=work)
+    origin = tmp / "origin.git"
+    git("clone", "-q", "--bare", str(work), str(origin), cwd=tmp)
+    checkout = tmp / "checkout"
+    git("clone", "-q", "-b", "main", str(origin), str(checkout), cwd=tmp)
+    return origin, checkout
+
+
+def promote(checkout: Path, tag: str, script: str | None = None) -> subprocess.CompletedProcess:
+    """The workflow's step, as GitHub runs a `run:` (bash -e -o pipefail) in the checkout."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(checkout.parent),
+        "TAG": tag,
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }
+    return subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", script or promotion_script()],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def move_production_by_hand(origin: Path, tmp: Path) -> str:
+    """A commit pushed to production off main's history; its id."""
+    elsewhere = tmp / "elsewhere"
+    git("clone", "-q", "-b", PRODUCTION_REF, str(origin), str(elsewhere), cwd=tmp)
+    (elsewhere / "hotfix").write_text("by hand\n")
+    git("add", "-A", cwd=elsewhere)
+    git("commit", "-q", "-m", "by hand", cwd=elsewhere)
+    git("push", "-q", "origin", PRODUCTION_REF, cwd=elsewhere)
+    return git("rev-parse", PRODUCTION_REF, cwd=origin)
+
+
+def test_the_promotion_fast_forwards_production_to_the_pinned_images(tmp_path: Path):
+    origin, checkout = scratch_origin(tmp_path)
+    merged = git("rev-parse", "HEAD", cwd=checkout)
+    done = promote(checkout, merged)
+    assert done.returncode == 0, done.stdout + done.stderr
+    main = git("rev-parse", "main", cwd=origin)
+    assert git("rev-parse", PRODUCTION_REF, cwd=origin) == main
+    assert git("rev-parse", f"{main}^", cwd=origin) == merged, "one bump commit on the merge"
+    forge = git("show", f"{PRODUCTION_REF}:cluster/apps/forge.yaml", cwd=origin)
+    assert forge.count(f'tag: "{merged}"  # forge-image-tag') == 2
+
+
+def test_a_production_that_cannot_fast_forward_is_left_alone_and_main_too(tmp_path: Path):
+    """Someone moved production by hand off main's history: the atomic push refuses both refs
+    (no --force), the job fails, and nothing moved."""
+    origin, checkout = scratch_origin(tmp_path)
+    move_production_by_hand(origin, tmp_path)
+    before = {ref: git("rev-parse", ref, cwd=origin) for ref in ("main", PRODUCTION_REF)}
+    done = promote(checkout, git("rev-parse", "HEAD", cwd=checkout))
+    assert done.returncode != 0, done.stdout
+    assert {ref: git("rev-parse", ref, cwd=origin) for ref in before} == before
+
+
+def test_the_scratch_run_catches_a_forced_promotion(tmp_path: Path):
+    """With --force the same run overwrites the hand-moved production: the test above would fail."""
+    forced = promotion_script().replace("git push --atomic", "git push --force --atomic")
+    assert forced != promotion_script()
+    origin, checkout = scratch_origin(tmp_path)
+    by_hand = move_production_by_hand(origin, tmp_path)
+    done = promote(checkout, git("rev-parse", "HEAD", cwd=checkout), forced)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert git("rev-parse", PRODUCTION_REF, cwd=origin) != by_hand
 
 
 def test_the_image_names_match_what_argocd_deploys():

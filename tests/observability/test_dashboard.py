@@ -3,7 +3,8 @@
 Every PromQL expression (each dashboard target, each rule) is parsed with promql-parser, and
 every selector must name a series Forge declares in ``serve_app/`` (read from the source, so a
 renamed or removed series fails here rather than as an empty panel or a silent alert), one of
-vLLM's listed below, or one the rules record. Label matchers and ``by``/``on`` labels must be
+vLLM's listed below, one dcgm-exporter is told to export (cluster/gpu-metrics/), or one the rules
+record. Label matchers and ``by``/``on`` labels must be
 labels those series carry.
 """
 
@@ -36,6 +37,29 @@ VLLM_SERIES = {
     "ray_vllm_num_requests_running": frozenset({"model_name", "engine"}),
     "ray_vllm_num_requests_waiting": frozenset({"model_name", "engine"}),
 }
+
+# The GPU series: the DCGM fields dcgm-exporter is configured to export on the cluster
+# (cluster/gpu-metrics/counters.yaml, read here, so a field dropped there fails the panel that
+# needs it), with the exporter's labels and those its PodMonitor adds (`node`).
+GPU_METRICS = ROOT / "cluster" / "gpu-metrics"
+DCGM_LABELS = frozenset({"gpu", "UUID", "device", "modelName", "Hostname", "pci_bus_id"})
+
+
+def dcgm_series() -> dict[str, frozenset[str]]:
+    (counters,) = yaml.safe_load_all((GPU_METRICS / "counters.yaml").read_text())
+    fields = [
+        line.split(",")[0].strip()
+        for line in counters["data"]["counters.csv"].splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    (monitor,) = yaml.safe_load_all((GPU_METRICS / "podmonitor.yaml").read_text())
+    added = {
+        relabel["targetLabel"]
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]
+        for relabel in endpoint.get("relabelings", [])
+    }
+    return {field: DCGM_LABELS | added for field in fields}
+
 
 # Labels Ray adds: Serve's replica context on every series declared inside a deployment
 # (ray/serve/metrics.py), the metrics agent's session, and Prometheus' own scrape labels.
@@ -158,7 +182,7 @@ def exported_series() -> dict[str, frozenset[str]]:
             series[f"{exported}_count"] = declared.labels
         else:
             series[exported] = declared.labels
-    return {**series, **VLLM_SERIES}
+    return {**series, **VLLM_SERIES, **dcgm_series()}
 
 
 # -- the expressions ----------------------------------------------------------------------------
@@ -251,7 +275,7 @@ def test_every_expression_queries_real_series_and_labels(where: str, expr: str):
     for selector in selectors(parsed):
         assert selector.name, f"{where}: a selector without a metric name: {selector}"
         assert selector.name in known or selector.name in recorded, (
-            f"{where}: {selector.name} is not a series Forge or vLLM exports"
+            f"{where}: {selector.name} is not a series Forge, vLLM or dcgm-exporter exports"
         )
         if selector.name in known:
             labels = {m.name for m in selector.matchers.matchers} - {"__name__"}
