@@ -898,6 +898,7 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
             "kubectl create",
             "kubectl apply",
             "kubectl port-forward",
+            "kubectl patch",
             "kubectl get",
             "kubectl delete",
             "kubectl logs",
