@@ -84,18 +84,21 @@ gpu_pods_now() {
   kubectl get pods -n "$NAMESPACE" -l "$GPU_POD_SELECTOR" -o jsonpath='{.items[*].metadata.name}'
 }
 
-# In the background: when does a new GPU worker (not one of $1, the pods before the event) become
-# Ready? Writes the answer to $RECOVERY_FILE; finish prints it.
+# In the background: when is a new GPU worker (not one of $1, the pods before the event) up, its
+# Ray container running? Not its Ready condition: the chart keeps the T4 pods never Ready, so
+# they are never endpoints of the Serve Service (helm/forge: workers.gpu.serveEndpoint). The
+# replica's model load comes after; the table's served_by_fallback rows show when traffic is
+# home. Writes the answer to $RECOVERY_FILE; finish prints it.
 watch_recovery() {
   local before="$1" since="$2"
   RECOVERY_FILE=$(mktemp)
   (
     while true; do
       ready=$(kubectl get pods -n "$NAMESPACE" -l "$GPU_POD_SELECTOR" -o \
-        jsonpath='{range .items[*]}{.metadata.name}{" "}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' \
-        2>/dev/null | awk -v before=" $before " 'index(before, " " $1 " ") == 0 && $2 == "True" {print $1; exit}')
+        jsonpath='{range .items[*]}{.metadata.name}{" "}{.status.containerStatuses[0].started}{"\n"}{end}' \
+        2>/dev/null | awk -v before=" $before " 'index(before, " " $1 " ") == 0 && tolower($2) == "true" {print $1; exit}')
       if [ -n "$ready" ]; then
-        python3 -c "import sys, time; print(f'new GPU worker {sys.argv[1]} Ready {time.time() - float(sys.argv[2]):.0f} s after the event')" \
+        python3 -c "import sys, time; print(f'new GPU worker {sys.argv[1]} Ready for Ray (its Ray container running) {time.time() - float(sys.argv[2]):.0f} s after the event')" \
           "$ready" "$since" >"$RECOVERY_FILE"
         exit 0
       fi
@@ -132,7 +135,7 @@ finish() {
   if [ -n "${RECOVERY_PID:-}" ]; then
     kill "$RECOVERY_PID" 2>/dev/null || true
     echo
-    if [ -s "$RECOVERY_FILE" ]; then cat "$RECOVERY_FILE"; else echo "no new GPU worker became Ready during the load"; fi
+    if [ -s "$RECOVERY_FILE" ]; then cat "$RECOVERY_FILE"; else echo "no new GPU worker's Ray container was running by the end of the load"; fi
     rm -f "$RECOVERY_FILE"
   fi
 }
