@@ -415,8 +415,9 @@ spec:
       # Never Ready, so never an endpoint of the Serve Service (values: serveEndpoint): KubeRay
       # labels every worker ray.io/serve=true, and readiness is what it leaves to decide. With a
       # probe here KubeRay injects none (its raylet and proxy check); liveness stays KubeRay's.
-      # Nothing else reads a worker's readiness: Ray's autoscaler and KubeRay's switch go by the
-      # Ray container running and the Serve applications' status.
+      # What acts on readiness does not read a worker's: Ray's autoscaler goes by the Ray
+      # container running, KubeRay's switch by the head and the Serve applications' status (the
+      # RayCluster's status counts the pod as not ready: helm/forge/README.md).
       readinessProbe:
         exec:
           command: ["false"]
