@@ -411,7 +411,7 @@ def test_the_shipped_real_fallbacks_validate():
     assert (vertex.auth, vertex.api_key_env, vertex.model) == (
         "gcp_metadata",
         None,
-        "google/gemini-2.5-flash",
+        "google/gemini-3.8-flash",
     )
     assert vertex.base_url.endswith("/endpoints/openapi")
     assert vertex.health_path is None
