@@ -223,17 +223,17 @@ class QuotaStage:
         """The reservation to the real usage (a refund, or the overshoot charged), and the
         lease back: both retried until they land (``Settles``)."""
         store, quota, lease = self._settles_store(held), held.quota, held.lease
-        calls = []
+        delta = 0
         if held.reserved and quota.tokens is not None:
             prompt, completion, _ = charged_tokens(ctx)
-            used = prompt + completion
-            if used != reserved:
-                tokens, delta = quota.tokens, reserved - used
-                calls.append(lambda: store.adjust(tokens, delta, once=id_))
-        if lease is not None:
-            calls.append(lambda: store.release_lease(quota.stream_key, lease))
-        if calls:
-            self.settles.land("settle", *calls)
+            delta = reserved - (prompt + completion)
+        tokens, key = quota.tokens, quota.stream_key
+        if delta and lease is not None:  # one round trip for both (``Store.settle``)
+            self.settles.land("settle", lambda: store.settle(tokens, delta, id_, key, lease))
+        elif delta:
+            self.settles.land("settle", lambda: store.adjust(tokens, delta, once=id_))
+        elif lease is not None:
+            self.settles.land("settle", lambda: store.release_lease(key, lease))
 
     def _refund(self, held: _Held, reserved: int, id_: str) -> None:
         store = self._settles_store(held)

@@ -51,6 +51,9 @@ class Settles:
         return task
 
     async def _all(self, op: str, calls: tuple[Call, ...]) -> None:
+        if len(calls) == 1:  # the usual case: no gather, no task per call
+            await self._until_landed(op, calls[0])
+            return
         await asyncio.gather(*(self._until_landed(op, call) for call in calls))
 
     async def _until_landed(self, op: str, call: Call) -> None:

@@ -209,6 +209,16 @@ class Store(ABC):
             await self.adjust(bucket, amount)
         return True
 
+    async def settle(
+        self, bucket: Bucket, delta: float, once: str, lease_key: str, lease_id: str
+    ) -> None:
+        """A request's end in one call: ``adjust(bucket, delta, once=once)`` and the lease back
+        (``release_lease``). Both are safe to repeat, so a settle whose answer was lost is sent
+        again whole. One round trip where the store can (Redis: one script); this default makes
+        the two calls."""
+        await self.adjust(bucket, delta, once=once)
+        await self.release_lease(lease_key, lease_id)
+
     @abstractmethod
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
         """Extend a held lease to ``ttl_s`` from now; False if it is not held (or expired)."""

@@ -116,6 +116,13 @@ class GuardedStore(Store):
             "unreserve", lambda: self.store.unreserve(buckets, amounts, lease_key, lease_id)
         )
 
+    async def settle(
+        self, bucket: Bucket, delta: float, once: str, lease_key: str, lease_id: str
+    ) -> None:
+        await self._call(
+            "settle", lambda: self.store.settle(bucket, delta, once, lease_key, lease_id)
+        )
+
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
         return await self._call("renew_lease", lambda: self.store.renew_lease(key, lease_id, ttl_s))
 

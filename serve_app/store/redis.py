@@ -115,6 +115,25 @@ return fmt(level)
 """
 )
 
+# KEYS: bucket, its once-key, lease set. ARGV: min_ttl, max_ttl, capacity, refill_per_s, delta,
+# the once-key's ttl in ms, lease_id. _ADJUST_LUA (once) and the lease's ZREM in one round trip:
+# a request's whole end. Returns the bucket's level.
+_SETTLE_LUA = (
+    _BUCKET_LUA
+    + """
+redis.call('ZREM', KEYS[3], ARGV[7])
+local now = now_us()
+local min_ttl, max_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local cap, rate, delta = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[6]) then
+  return fmt(level_of(KEYS[1], cap, rate, now))
+end
+local level = math.min(cap, level_of(KEYS[1], cap, rate, now) + delta)
+store_level(KEYS[1], cap, rate, level, now, min_ttl, max_ttl)
+return fmt(level)
+"""
+)
+
 # KEYS: buckets. ARGV: (capacity, refill_per_s) per key. Returns levels; writes nothing.
 _PEEK_LUA = (
     _BUCKET_LUA
@@ -262,6 +281,7 @@ class RedisStore(Store):
         self._renew = client.register_script(_RENEW_LUA)
         self._reserve = client.register_script(_RESERVE_LUA)
         self._unreserve = client.register_script(_UNRESERVE_LUA)
+        self._settle = client.register_script(_SETTLE_LUA)
 
     @classmethod
     def from_url(
@@ -402,6 +422,21 @@ class RedisStore(Store):
         keys = [self._key(b.key) for b in buckets] + [self._key(lease_key)]
         with self._failures("unreserve"):
             return bool(await self._unreserve(keys=keys, args=args))
+
+    async def settle(
+        self, bucket: Bucket, delta: float, once: str, lease_key: str, lease_id: str
+    ) -> None:
+        if not math.isfinite(delta):
+            raise ValueError(f"settle delta must be finite, got {delta}")
+        keys = [  # the bucket key's {hash tag} names the once-key's slot, as in ``adjust``
+            self._key(bucket.key),
+            self._key(f"{bucket.key}:once:{once}"),
+            self._key(lease_key),
+        ]
+        args: list[float | str] = [MIN_BUCKET_TTL_S, MAX_BUCKET_TTL_S, bucket.capacity]
+        args += [bucket.refill_per_s, delta, _ms(ONCE_TTL_S), lease_id]
+        with self._failures("settle"):
+            await self._settle(keys=keys, args=args)
 
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
         check_ttl(ttl_s)

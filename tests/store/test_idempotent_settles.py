@@ -35,3 +35,18 @@ async def test_a_charge_with_an_id_is_applied_once_too(store: Store) -> None:
     await store.adjust(BUCKET, -300, once="overshoot")
     (now,) = await store.peek([BUCKET])
     assert now == pytest.approx(700, abs=1)
+
+
+async def test_a_settle_refunds_once_and_gives_the_lease_back_however_often_it_is_sent(
+    store: Store,
+) -> None:
+    """A request's end in one call (one round trip on Redis): its refund, once, and its stream
+    lease back; a retry after a lost reply changes nothing more."""
+    reserved = await store.reserve([BUCKET], [600], "{t}:streams", "req-1", 1, 60)
+    assert reserved.refused is None
+    assert await store.acquire_lease("{t}:streams", "req-2", 1, 60) == (False, 1)
+    for _ in range(2):
+        await store.settle(BUCKET, 450, "req-1", "{t}:streams", "req-1")
+        (now,) = await store.peek([BUCKET])
+        assert now == pytest.approx(850, abs=1)
+        assert await store.acquire_lease("{t}:streams", "req-2", 1, 60) == (True, 1)
