@@ -14,8 +14,10 @@ The reordering, for a request of adapter ``a`` (the policy's order kept within e
 1. replicas that have ``a`` loaded (or just sent it: ``ReplicaView.adapters``) and are not
    over the load bound;
 2. replicas under the bound with a free adapter slot (loading ``a`` evicts nothing);
-3. other replicas under the bound (loading ``a`` evicts their least recently used adapter);
-4. replicas over the bound.
+3. replicas under the bound with an idle adapter (one no request is running or was just sent):
+   loading ``a`` evicts it, as the engine's LRU would;
+4. other replicas under the bound: every slot is in use, so ``a`` waits there for one;
+5. replicas over the bound.
 
 The bound is ``prefix_affinity``'s: ``load > load_factor × mean load + 1``, load being
 ``in_flight + running + waiting`` and the mean over the eligible replicas. So an adapter stays
@@ -55,19 +57,21 @@ class AdapterAffinity:
             return list(ranking)
         loads = {r.replica_id: replica_load(r) for r in ranked}
         bound = self.load_factor * (sum(loads.values()) / len(loads)) + 1
-        groups: tuple[list[str], ...] = ([], [], [], [])
+        groups: tuple[list[str], ...] = ([], [], [], [], [])
         for view in ranked:
             if loads[view.replica_id] > bound:
-                group = 3
+                group = 4
             elif adapter in view.adapters:
                 group = 0
             elif view.adapter_slots > len(view.adapters):
                 group = 1
-            else:
+            elif set(view.adapters) - set(view.busy_adapters):
                 group = 2
+            else:
+                group = 3
             groups[group].append(view.replica_id)
         if not groups[0]:
             self.placements += 1
-            if any(adapter in views[rid].adapters for rid in groups[3]):
+            if any(adapter in views[rid].adapters for rid in groups[4]):
                 self.spillovers += 1
         return [rid for group in groups for rid in group]

@@ -43,6 +43,7 @@ class ReplicaView:
     # LoRA adapters loaded on it (or running, waiting, or just sent there by this router), and
     # how many it may hold at once (its engine's max_loras; 0: unknown): ``routing/adapters.py``.
     adapters: Collection[str] = frozenset()
+    busy_adapters: Collection[str] = frozenset()  # of those, running or just sent there
     adapter_slots: int = 0
 
 

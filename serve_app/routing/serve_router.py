@@ -285,8 +285,10 @@ class ForgeRequestRouter(RequestRouter):
                 running, waiting, backlog = load.running, load.waiting, load.backlog
             backlog += self.index.assigned_tokens(replica_id)
             cached_blocks = self.index.holds(replica_id)
+        adapters, busy = self._adapters_on(replica_id, stats)
         return ReplicaView(
-            adapters=self._adapters_on(replica_id, stats),
+            adapters=adapters,
+            busy_adapters=busy,
             adapter_slots=int(stats.get("max_loras", 0)),
             replica_id=replica_id,
             in_flight=in_flight,
@@ -298,22 +300,19 @@ class ForgeRequestRouter(RequestRouter):
             excluded=excluded,
         )
 
-    def _adapters_on(self, replica_id: str, stats: dict) -> frozenset[str]:
-        """The adapters a replica holds: loaded, running or waiting as it last reported, and
-        those this router sent it within ``adapter_memory_s`` (the others are forgotten)."""
-        said = [
-            *stats.get("lora_adapters", ()),
-            *stats.get("running_lora_adapters", ()),
-            *stats.get("waiting_lora_adapters", ()),
-        ]
+    def _adapters_on(self, replica_id: str, stats: dict) -> tuple[frozenset[str], frozenset[str]]:
+        """The adapters a replica holds (loaded, running or waiting as it last reported, and
+        those this router sent it within ``adapter_memory_s``; older sends are forgotten), and
+        of those the busy ones: running or waiting there, or just sent."""
+        busy = [*stats.get("running_lora_adapters", ()), *stats.get("waiting_lora_adapters", ())]
         sent = self._sent_adapters.get(replica_id)
         if sent:
             since = time.monotonic() - self.adapter_memory_s
             for adapter, at in list(sent.items()):
                 if at < since:
                     del sent[adapter]
-            said += sent
-        return frozenset(said)
+            busy += sent
+        return frozenset([*stats.get("lora_adapters", ()), *busy]), frozenset(busy)
 
     def _route_request(self, pending: PendingRequest | None) -> RouteRequest:
         """The prompt's block hashes, from the call ``stream/complete(body, kind, request_id)``."""

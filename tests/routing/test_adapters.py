@@ -7,8 +7,14 @@ from serve_app.routing.adapters import AdapterAffinity
 from serve_app.routing.base import ReplicaView
 
 
-def view(rid: str, load: int = 0, adapters=(), slots: int = 2) -> ReplicaView:
-    return ReplicaView(rid, in_flight=load, adapters=frozenset(adapters), adapter_slots=slots)
+def view(rid: str, load: int = 0, adapters=(), slots: int = 2, busy=()) -> ReplicaView:
+    return ReplicaView(
+        rid,
+        in_flight=load,
+        adapters=frozenset(adapters),
+        busy_adapters=frozenset(busy),
+        adapter_slots=slots,
+    )
 
 
 def test_a_replica_holding_the_adapter_goes_first_whatever_the_policy_ranked():
@@ -44,3 +50,12 @@ def test_a_hot_holder_spills_to_another_replica_which_then_loads_it():
 def test_only_the_policys_ranking_is_reordered_nothing_added():
     replicas = [view("a", adapters={"x"}), view("b")]
     assert AdapterAffinity().order(["b"], replicas, "x") == ["b"]  # "a" was excluded
+
+
+def test_a_replica_with_an_idle_adapter_to_evict_comes_before_one_whose_slots_are_all_busy():
+    replicas = [
+        view("a", adapters={"p", "q"}, busy={"p", "q"}),
+        view("b", adapters={"p", "q"}, busy={"p"}),
+    ]
+    # On "a" the request would wait for a slot; on "b" it evicts the idle "q" and runs.
+    assert AdapterAffinity().order(["a", "b"], replicas, "x") == ["b", "a"]
