@@ -8,7 +8,12 @@ whose prefix cache holds about 10 system prompts each. Main workload (4 replicas
 requests start with one of 20 system prompts (1–2k tokens), 20 % are unique. Skewed (4
 replicas): one system prompt takes 50 % of all traffic. Pressure (8 replicas): 200 system
 prompts, about twice what the 8 caches hold together, so replicas evict all the time and the
-routers' indexes must follow. Closed loop, 16 clients, through the gateway (direct ingress).
+routers' indexes must follow. Adapters (4 replicas, 4 LoRA slots each, a load costing
+``ADAPTER_LOAD_S``): 20 tenants' adapters over the one model, their popularity Zipf-like (the
+i-th most called 1/i as often), each with its tenant's short system prompt 80 % of the time; round
+robin against adapter-aware routing (``routing/adapters.py``; a policy name with ``+adapters``
+has it on, without it off), compared on TTFT and adapter loads per minute. Closed loop, 16
+clients, through the gateway (direct ingress).
 Every policy gets a fresh application (cold caches). The oracle is the best hit rate the
 request sequence allows with unbounded caches: every shared prompt misses once, then always
 hits its full blocks; unique prompts never hit.
@@ -32,6 +37,16 @@ from loadtest.inprocess import start_forge, stop_forge
 from serve_app import tokenizer
 
 POLICIES = ["round_robin", "least_in_flight", "least_queue", "prefix_affinity", "kv_aware"]
+# The adapter workload's: with "+adapters", adapter affinity on.
+ADAPTER_POLICIES = ["round_robin", "round_robin+adapters", "least_in_flight+adapters"]
+ADAPTERS = [f"tenant-{i:02d}" for i in range(20)]
+ADAPTER_SLOTS = 4
+# Loading an adapter into a slot: ~50 ms, the order of a rank-16 adapter of a 3B model read
+# from the host's memory onto the GPU (vLLM's CPU cache); from disk it is more.
+ADAPTER_LOAD_S = 0.05
+# Fine-tunes' prompts are short (their task is in the weights): 100-300 system tokens, so
+# prefill is ~20-60 ms and an adapter's load and slot are what routing can save.
+ADAPTER_SYSTEM_TOKENS = (100, 300)
 KEY = "sk-routing-bench"
 BLOCK = 16
 ENGINE = {
@@ -45,7 +60,12 @@ ENGINE = {
     "max_num_batched_tokens": 2048,
 }
 # workload → (replicas, system prompts, share of the hottest prompt or None)
-WORKLOADS = {"main": (4, 20, None), "skewed": (4, 20, 0.5), "pressure": (8, 200, None)}
+WORKLOADS = {
+    "main": (4, 20, None),
+    "skewed": (4, 20, 0.5),
+    "pressure": (8, 200, None),
+    "adapters": (4, len(ADAPTERS), None),
+}
 WORDS = tokenizer.OUTPUT_WORDS
 
 
@@ -56,11 +76,23 @@ def _text(rng: random.Random, tokens: int) -> str:
 class Workload:
     """A seeded request mix; also counts what an oracle cache could have hit."""
 
-    def __init__(self, system_prompts: int, hot_share: float | None, seed: int = 7) -> None:
+    def __init__(
+        self,
+        system_prompts: int,
+        hot_share: float | None,
+        seed: int = 7,
+        adapters: list[str] | None = None,
+        system_tokens: tuple[int, int] = (1000, 2000),
+    ) -> None:
         self.rng = random.Random(seed)
+        # With adapters, the i-th shared prompt is the i-th adapter's tenant's, called 1/i as
+        # often as the first (and a unique prompt goes to an adapter drawn alike).
+        self.adapters = adapters
+        self.weights = [1 / (i + 1) for i in range(len(adapters or ()))]
         prompts_rng = random.Random(1)
+        self.unique_tokens = system_tokens[0] // 2  # a one-off prompt's system turn
         self.system = [
-            _text(prompts_rng, prompts_rng.randint(1000, 2000)) for _ in range(system_prompts)
+            _text(prompts_rng, prompts_rng.randint(*system_tokens)) for _ in range(system_prompts)
         ]
         self.hot_share = hot_share
         self.seen: set[int] = set()
@@ -72,18 +104,24 @@ class Workload:
         rng = self.rng
         self.n += 1
         user = {"role": "user", "content": f"question {self.n}: " + _text(rng, 20)}
+        adapter = None
+        if self.adapters:
+            (adapter,) = rng.choices(range(len(self.adapters)), self.weights)
         if self.hot_share is not None and rng.random() < self.hot_share:
             shared = 0
+        elif adapter is not None:
+            shared = adapter if rng.random() < 0.8 else None
         elif rng.random() < 0.8:
             shared = rng.randrange(len(self.system))
         else:
             shared = None
         if shared is None:
-            messages = [{"role": "system", "content": _text(rng, 500)}, user]
+            messages = [{"role": "system", "content": _text(rng, self.unique_tokens)}, user]
         else:
             messages = [{"role": "system", "content": self.system[shared]}, user]
         self._account(messages, shared)
-        return {"model": "forge-sim", "messages": messages, "max_tokens": 16, "stream": True}
+        model = "forge-sim" if adapter is None else f"forge-sim:{self.adapters[adapter]}"
+        return {"model": model, "messages": messages, "max_tokens": 16, "stream": True}
 
     def _account(self, messages: list[dict], shared: int | None) -> None:
         tokens = tokenizer.count_tokens(tokenizer.render_chat(messages))
@@ -100,18 +138,30 @@ class Workload:
         return self.oracle_hits / max(1, self.prompt_tokens)
 
 
-def forge_args(policy: str, replicas: int = 4, options: dict | None = None) -> dict:
+def forge_args(
+    policy: str, replicas: int = 4, options: dict | None = None, adapters: bool = False
+) -> dict:
+    """``policy`` may end in ``+adapters``: adapter affinity on (only then, for this experiment's
+    comparison; a pool's default has it on)."""
+    policy, _, layer = policy.partition("+")
+    pool: dict = {
+        "name": "primary",
+        "model": "forge-sim",
+        "engine": ENGINE,
+        "routing": {
+            "policy": policy,
+            "stats_period_s": 0.5,
+            "options": options or {},
+            "adapter_affinity": layer == "adapters",
+        },
+        "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
+    }
+    if adapters:
+        pool["engine"] = {**ENGINE, "max_loras": ADAPTER_SLOTS, "adapter_load_s": ADAPTER_LOAD_S}
+        pool["adapters"] = [{"name": a, "path": f"/weights/adapters/{a}"} for a in ADAPTERS]
     return {
         "tenants": [{"name": "bench", "key_hashes": [hashlib.sha256(KEY.encode()).hexdigest()]}],
-        "pools": [
-            {
-                "name": "primary",
-                "model": "forge-sim",
-                "engine": ENGINE,
-                "routing": {"policy": policy, "stats_period_s": 0.5, "options": options or {}},
-                "deployment": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
-            }
-        ],
+        "pools": [pool],
     }
 
 
@@ -124,8 +174,13 @@ async def run_policy(
     from serve_app.replica import admin as replica_admin
 
     replicas, system_prompts, hot_share = WORKLOADS[workload_name]
-    url = start_forge(forge_args(policy, replicas, options), reuse=True)
-    workload = Workload(system_prompts, hot_share)
+    adapters = workload_name == "adapters"
+    url = start_forge(forge_args(policy, replicas, options, adapters), reuse=True)
+    workload = (
+        Workload(system_prompts, hot_share, adapters=ADAPTERS, system_tokens=ADAPTER_SYSTEM_TOKENS)
+        if adapters
+        else Workload(system_prompts, hot_share)
+    )
     before = {s["replica"]: s for s in replica_admin.all_stats("forge", "pool-primary")}
     index_before = _index_metrics(inprocess.metrics_port)
     started = time.perf_counter()
@@ -147,6 +202,10 @@ async def run_policy(
     )
     load = list(queries.values())
     summary = run.summary()
+    loads = sum(s.get("lora_loads", 0) for s in after) - sum(
+        s.get("lora_loads", 0) for s in before.values()
+    )
+    adapter_rows = {"adapter_loads_per_min": loads / wall * 60} if adapters else {}
     return {
         "policy": policy,
         "workload": workload_name,
@@ -161,6 +220,7 @@ async def run_policy(
         "hit_rate": hits / max(1, sum(load)),
         "oracle_hit_rate": workload.oracle_hit_rate,
         "max_over_mean_load": max(load) / (sum(load) / len(load)) if sum(load) else float("nan"),
+        **adapter_rows,
         **index,
     }
 
@@ -214,8 +274,9 @@ def _index_delta(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    fig, axes = plots.subplots(1, len(WORKLOADS), figsize=(16, 4))
-    for ax, workload in zip(axes, WORKLOADS, strict=True):
+    shown = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
+    fig, axes = plots.subplots(1, len(shown), figsize=(4 * len(shown) + 1, 4), squeeze=False)
+    for ax, workload in zip(axes[0], shown, strict=True):
         sub = [r for r in rows if r["workload"] == workload]
         names = [r["policy"] for r in sub]
         ax.bar(names, [r["ttft_p50_ms"] for r in sub], color="tab:blue", label="TTFT p50 (ms)")
@@ -242,6 +303,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=20)
     parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--adapter-policies", nargs="+", default=ADAPTER_POLICIES)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument(
         "--kv-options", type=json.loads, default={}, help="kv_aware's options, as JSON"
@@ -252,7 +314,8 @@ def main() -> None:
     rows = []
     try:
         for workload in args.workloads:
-            for policy in args.policies:
+            policies = args.adapter_policies if workload == "adapters" else args.policies
+            for policy in policies:
                 options = args.kv_options if policy == "kv_aware" else None
                 rows.append(asyncio.run(run_policy(policy, workload, args.duration, options)))
                 print(json.dumps(rows[-1]), flush=True)

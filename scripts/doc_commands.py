@@ -704,10 +704,12 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         alone=True,
     ),
     "python -m loadtest.routing": quick(
-        "{python} -m loadtest.routing --duration 3 --workloads main --policies kv_aware"
+        "{python} -m loadtest.routing --duration 3 --workloads main adapters --policies kv_aware"
+        " --adapter-policies least_in_flight+adapters"
         " --out {tmp}/routing.json --plot {tmp}/routing.png",
         timeout=300,
-        note="one workload, the policy with the most machinery (KV events, the index)",
+        note="two workloads, each with the policy with the most machinery (KV events and the "
+        "index; adapter affinity over LoRA slots)",
     ),
     "python -m loadtest.kv_transport": quick(
         "{python} -m loadtest.kv_transport --seconds 0.5 --out {tmp}/kv_transport.json",
@@ -863,6 +865,13 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         env={"HF_HUB_OFFLINE": "1"},
         group="vllm",
         note="where configs/local-vllm.yaml expects it (.ci/vllm builds its cached one)",
+    ),
+    "python -m serve_app.tools.tiny_adapter": quick(
+        "{vllm_python} -m serve_app.tools.tiny_adapter {tmp}/tiny-adapter",
+        timeout=120,
+        env={"HF_HUB_OFFLINE": "1"},
+        group="vllm",
+        note="the tiny model's LoRA adapter (tests/vllm/test_adapters_vllm.py writes its own)",
     ),
     "serve run configs/local-vllm.yaml": Quick(
         (
