@@ -206,3 +206,31 @@ def test_a_tenants_allow_list_must_name_served_models():
     bad["tenants"][0]["models"] = ["chat", "gpt-9"]
     with pytest.raises(ConfigError, match=r"tenants.0.models: no model is named \['gpt-9'\]"):
         load_config(bad)
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------
+
+
+def test_an_adapters_request_takes_only_the_steps_that_have_its_adapter():
+    chained = {
+        "name": "chat",
+        "variants": [{"name": "main", "pool": "primary"}],
+        "chain": [{"pool": "canary"}, {"pool": "fallback"}],
+    }
+    config_args = args([chained])
+    config_args["pools"][0]["adapters"] = [{"name": "acme", "path": "/w/acme"}]
+    config_args["pools"][1]["adapters"] = [{"name": "acme", "path": "/w/acme-v2"}]
+    config_args["tenants"][0]["adapters"] = {"big": "acme"}
+    config = load_config(config_args)
+    policy = TrafficPolicy(config)
+    (tenant,) = config.tenants
+    # Bound to acme on "big": its alias's route keeps the pools that have acme, not the fallback.
+    target = policy.bind(policy.resolve("chat", "alpha", {}, {}), tenant)
+    assert target.adapter == "acme"
+    assert target.excluded == {"fallback"}
+    # By name, for a tenant bound to nothing: the pool, never the fallback.
+    unbound = config.tenants[0].model_copy(update={"adapters": {}})
+    target = policy.bind(policy.resolve("big:acme", "alpha", {}, {}), unbound)
+    assert (target.adapter, target.excluded) == ("acme", {"fallback"})
+    # The base model itself, unbound: as before.
+    assert policy.bind(policy.resolve("big", "alpha", {}, {}), unbound).adapter is None
