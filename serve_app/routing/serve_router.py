@@ -223,7 +223,10 @@ class ForgeRequestRouter(RequestRouter):
             # Count it on the replica until its engine says it took it in, and remember its
             # blocks there: the next request with this prompt follows it.
             uncached = uncached_tokens(route, self.index.holds(rid))
-            self.index.assign(request_id, rid, uncached, route.block_hashes)
+            # An adapter's blocks are cached under hashes keyed by its LoRA (as vLLM keys
+            # them), which these are not: its prefill counts, its blocks are not remembered.
+            blocks = route.block_hashes if route.adapter is None else ()
+            self.index.assign(request_id, rid, uncached, blocks)
         if request_id is not None and request_id not in self.bridge.pinned:
             breakers = self.bridge.breakers
             probe = self._probes.pop(request_id, None) == rid or (

@@ -457,3 +457,17 @@ async def test_a_new_adapter_stays_where_this_router_sent_it_before_any_report()
         (await ranked(off, replicas, adapter_request(f"o{n}", "legal")))[0] for n in range(3)
     ]
     assert len(set(rotated)) == 3
+
+
+async def test_kv_aware_does_not_take_an_adapters_blocks_for_the_base_models(publisher):
+    replicas = [Replica("a"), Replica("b")]
+    router = kv_router(replicas, publisher)
+    prompt = "8 a prompt an adapter served first"
+    first = adapter_request("req-1", "support")
+    first.args[0]["messages"][0]["content"] = prompt
+    await ranked(router, replicas, first)
+    router.on_request_routed(first, replicas[1].replica_id, None)  # Serve sent it to "b"
+    assert router.index.assigned_tokens("b") > 0  # its prefill is b's backlog...
+    # ...but b holds the adapter's blocks, not the base model's: nothing draws this there.
+    assert (await ranked(router, replicas, pending("req-2", prompt)))[0] == "a"
+    router.index.close()
