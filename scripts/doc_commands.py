@@ -583,6 +583,13 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         "would add to (a few seconds)",
         alone=True,
     ),
+    "python -m loadtest.stage_cpu": quick(
+        "{python} -m loadtest.stage_cpu --requests 200 --redis-url "
+        + REDIS
+        + " --out {tmp}/stage-cpu.json",
+        timeout=120,
+        note="in process, no Ray: 200 requests instead of 2,000",
+    ),
     "python -m loadtest.traffic_policy": quick(
         "{python} -m loadtest.traffic_policy --requests 2000 --check"
         " --out {tmp}/traffic-policy.json --png {tmp}/traffic-policy.png",
