@@ -77,6 +77,7 @@ class TelemetryStage:
                         "completion_tokens": usage.get("completion_tokens"),
                         "error": ctx.stream_error,
                         "variant": ctx.target.variant if ctx.target is not None else None,
+                        "adapter": ctx.adapter,  # a bound tenant's too (it asked the model)
                     }
                 ).decode()
             )

@@ -5,10 +5,12 @@ unknown one; its own line in usage, priced per adapter; never the base model's c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from serve_app.admin.usage_report import _costed
@@ -94,7 +96,8 @@ async def answer(api: openai.AsyncOpenAI, model: str, **extra) -> str:
     return (await api.chat.completions.create(**ask(model, **extra))).choices[0].message.content
 
 
-async def test_a_bound_tenant_gets_its_adapter_as_does_anyone_calling_it_by_name(gateway):
+async def test_a_bound_tenant_gets_its_adapter_as_does_anyone_calling_it_by_name(gateway, caplog):
+    caplog.set_level(logging.INFO, logger="ray.serve.forge.access")
     async with client(gateway, BOUND) as bound, client(gateway, PLAIN) as plain:
         base = await answer(plain, MODEL)
         by_name = await answer(plain, f"{MODEL}:support")
@@ -106,6 +109,11 @@ async def test_a_bound_tenant_gets_its_adapter_as_does_anyone_calling_it_by_name
     assert by_name != base  # an adapter's answer is its own...
     assert bound_base == by_name == by_alias == bound_streamed  # ...however it is reached
     assert legal not in (base, by_name)
+    # The access log says which adapter served the bound tenant's request for the model.
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name.endswith("access")]
+    assert {(x["model"], x["adapter"]) for x in lines if x["tenant"] == "bound"} == {
+        (MODEL, "support")
+    }
 
 
 async def test_an_unknown_adapter_is_a_404_naming_it_and_a_forbidden_one_is_unknown(gateway):
