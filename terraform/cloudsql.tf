@@ -23,6 +23,10 @@ resource "google_sql_database_instance" "ledger" {
   deletion_protection = true
 
   settings {
+    # Named, not left to the API: for POSTGRES_16 and later its default edition is
+    # ENTERPRISE_PLUS, which takes only db-perf-optimized-N-* tiers and refuses the shared-core
+    # ledger_tier (db-g1-small) at apply ("Invalid Tier ... for (ENTERPRISE_PLUS) Edition").
+    edition           = "ENTERPRISE"
     tier              = var.ledger_tier
     availability_type = var.ledger_availability_type
     disk_autoresize   = true

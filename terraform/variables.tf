@@ -350,7 +350,7 @@ variable "github_ci_ref" {
 }
 
 variable "ledger_tier" {
-  description = "Cloud SQL machine tier of the usage ledger (cloudsql.tf). The gateways write one small transaction per replica per second: the smallest shared-core tier carries it."
+  description = "Cloud SQL machine tier of the usage ledger (cloudsql.tf). The gateways write one small transaction per replica per second: the smallest shared-core tier carries it. An ENTERPRISE edition tier (shared-core or db-custom-*): cloudsql.tf names that edition, since ENTERPRISE_PLUS takes only db-perf-optimized-N-* tiers."
   type        = string
   default     = "db-g1-small"
 }

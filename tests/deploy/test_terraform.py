@@ -515,6 +515,28 @@ def weights_problems(tree: Tree) -> list[str]:
     return problems
 
 
+def ledger_problems(tree: Tree) -> list[str]:
+    """The usage ledger's Cloud SQL instance names its edition, and its tier is one that edition
+    takes: left unnamed, the API picks ENTERPRISE_PLUS for POSTGRES_16 and later, which takes only
+    db-perf-optimized-N-* tiers, so the shared-core default (db-g1-small) fails the first apply."""
+    instances = resources(tree, "google_sql_database_instance")
+    if not instances:
+        return ["no Cloud SQL instance for the ledger"]
+    defaults = variable_defaults(tree)
+    problems = []
+    for where, instance in instances:
+        settings = first(instance, "settings")
+        edition = settings.get("edition")
+        tier = str(settings.get("tier", ""))
+        if found := re.fullmatch(r"\$\{var\.(\w+)\}", tier):
+            tier = str(defaults.get(found.group(1)))
+        if edition not in ("ENTERPRISE", "ENTERPRISE_PLUS"):
+            problems.append(f"{where}: edition {edition!r}, left to the API's default")
+        elif (edition == "ENTERPRISE_PLUS") != tier.startswith("db-perf-optimized-"):
+            problems.append(f"{where}: tier {tier!r} is not an {edition} tier")
+    return problems
+
+
 CHECKS: dict[str, Callable[[Tree], list[str]]] = {
     "gpu pool": gpu_pool_problems,
     "cpu pool": cpu_pool_problems,
@@ -524,10 +546,17 @@ CHECKS: dict[str, Callable[[Tree], list[str]]] = {
     "gcs backend": backend_problems,
     "redis": redis_problems,
     "weights": weights_problems,
+    "ledger": ledger_problems,
 }
 
 # check -> broken variants: each a rewrite of a copy of the tree the check must catch.
 BROKEN: dict[str, Callable[[Path], None]] = {
+    "ledger|edition left to the API": lambda t: rewrite(
+        t, "cloudsql.tf", 'edition           = "ENTERPRISE"', ""
+    ),
+    "ledger|shared-core tier on ENTERPRISE_PLUS": lambda t: rewrite(
+        t, "cloudsql.tf", '"ENTERPRISE"', '"ENTERPRISE_PLUS"'
+    ),
     "weights|no bucket": lambda t: (t / "weights.tf").unlink(),
     "weights|read by the nodes' account": lambda t: rewrite(
         t, "weights.tf", PODS_ACCOUNT, "module.gke.node_service_account_email"
