@@ -1,7 +1,10 @@
-# Secret Manager holds what the Forge pods mount at /etc/forge/keys/ (the GKE Secret Manager
-# add-on, through the pods' workload identity). Terraform creates the secrets, never a value
-# from git: an operator adds the human-made versions (README.md, "Secrets"); the Redis URLs and
-# CAs are written here from Memorystore's own attributes.
+# Secret Manager holds the values behind the Kubernetes Secrets the chart reads (the key hashes
+# and CAs it mounts at /etc/forge/keys/, the URLs it exports): docs/deploy.md copies each into the
+# release namespace (kubectl, or External Secrets), and no Secret Manager CSI driver or
+# SecretProviderClass is involved (the GKE add-on stays off, modules/gke). Terraform creates the
+# secrets, never a value from git: an operator adds the human-made versions (README.md,
+# "Bootstrap"); the Redis URLs, addresses and CAs and the ledger's URL are written here and in
+# ray_gcs.tf from the instances' own attributes.
 locals {
   forge_secrets = {
     # Only if the fallback uses an API key (Gemini's OpenAI-compatible endpoint on AI Studio):
