@@ -38,7 +38,12 @@ from serve_app import tokenizer
 
 POLICIES = ["round_robin", "least_in_flight", "least_queue", "prefix_affinity", "kv_aware"]
 # The adapter workload's: with "+adapters", adapter affinity on.
-ADAPTER_POLICIES = ["round_robin", "round_robin+adapters", "least_in_flight+adapters"]
+ADAPTER_POLICIES = [
+    "round_robin",
+    "least_in_flight",
+    "round_robin+adapters",
+    "least_in_flight+adapters",
+]
 ADAPTERS = [f"tenant-{i:02d}" for i in range(20)]
 ADAPTER_SLOTS = 4
 # Loading an adapter into a slot: ~50 ms, the order of a rank-16 adapter of a 3B model read
