@@ -245,3 +245,21 @@ def test_config_check_holds_the_gateway_and_its_control_application_to_each_othe
     assert f"{where} is not built by serve_app.app:build_control" in check(not_a_control)
     assert cli.main(["config", "check", "configs/local.yaml"]) == 0
     assert "schedulers and breaker board in forge-control" in capsys.readouterr().out
+
+
+def test_config_check_names_a_pools_adapters_the_gateway_and_its_application_disagree_on(
+    tmp_path, capsys
+):
+    import yaml
+
+    document = yaml.safe_load(open("configs/local.yaml"))
+    apps = {a["name"]: a for a in document["applications"]}
+    adapters = [{"name": "acme", "path": "/models/adapters/acme"}]
+    apps["forge-pool-primary"]["args"]["pool"]["adapters"] = adapters  # the replicas load it...
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 1  # ...but the gateway would not route it
+    assert "application 'forge-pool-primary' has adapters" in capsys.readouterr().err
+    document["applications"][0]["args"]["pools"][0]["adapters"] = adapters
+    bad.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(bad)]) == 0
