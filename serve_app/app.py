@@ -32,6 +32,7 @@ from serve_app.replica.pool_ingress import PoolApplication
 from serve_app.replica.server import Replica
 from serve_app.resilience.board import BOARD_DEPLOYMENT, BreakerBoardDeployment
 from serve_app.resilience.settings import breaker_settings
+from serve_app.routing.prompt_hashing import for_pool as prompt_hashing_for
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -162,6 +163,8 @@ def _replica_options(pool: PoolConfig) -> dict[str, Any]:
             request_router_kwargs={
                 "policy": routing.policy,
                 "block_size": pool.engine.block_size,
+                # How the pool's engine names a prompt's blocks (vLLM's or the simulator's).
+                "prompt_hashing": prompt_hashing_for(pool),
                 "kv_events": routing.kv_events.model_dump(),
                 "adapter_affinity": routing.adapter_affinity,
                 "adapter_load_factor": routing.adapter_load_factor,

@@ -346,7 +346,7 @@ class VLLMEngine(Engine):
         )
 
     def cached_block_hashes(self) -> list[int]:
-        return [] if self._kv is None else list(self._kv.forge_hashes.values())
+        return [] if self._kv is None else list(self._kv.held)
 
     def stats(self) -> EngineStats:
         load = self._load

@@ -1,10 +1,11 @@
-"""vLLM's own KV-cache events, renamed into Forge's block-hash chain, to the replica's publisher.
+"""vLLM's own KV-cache events, under vLLM's own block hashes, to the replica's publisher.
 
 On a KV-aware pool the routers need to know which blocks each replica's vLLM holds, under names
-they can compute themselves. vLLM names blocks by its own hashes (seeded, and folding in LoRA,
-multimodal inputs and cache salts), so the relay renames them. Its own module because the
-renaming is the part worth testing, and it runs without vLLM; only the socket's decoder and
-vLLM's ``KVEventsConfig`` import vLLM, lazily.
+they can compute themselves. They compute vLLM's (``serve_app/kvcache/vllm_block_hashes.py``:
+its seed, hash function, LoRA and cache-salt keys), so the relay passes vLLM's names through as
+the events give them (the digest's low 64 bits), and an adapter's blocks are routable like any
+other. Its own module because what it forwards is the part worth testing, and it runs without
+vLLM; only the socket's decoder and vLLM's ``KVEventsConfig`` import vLLM, lazily.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from collections.abc import Callable, Iterable
 import zmq
 import zmq.asyncio
 
-from serve_app.kvcache.block_hashes import chain_block_hash
 from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES, EngineLoad, KvEventPublisher
+from serve_app.kvcache.vllm_block_hashes import external_hash
 
 logger = logging.getLogger("ray.serve")
 
@@ -28,12 +29,10 @@ _REDIAL_S = 0.5  # from a dropped connection to vLLM's publisher to dialing it a
 
 
 class VllmKvEventRelay:
-    """vLLM's KV-cache events, renamed into Forge's block-hash chain, to the replica's publisher.
+    """vLLM's KV-cache events, under vLLM's block hashes, to the replica's publisher.
 
-    vLLM publishes from its engine-core process. Its ``BlockStored`` events carry each block's
-    token ids and its parent's vLLM hash, so a map from vLLM's hashes to Forge's is enough to
-    extend the chain one block at a time. The map is also the engine's snapshot: every block
-    vLLM caches and Forge can name.
+    vLLM publishes from its engine-core process. ``held`` is the engine's snapshot: every block
+    it announced and has not removed since.
 
     The hop is one ZeroMQ PUB/SUB over an ``ipc://`` socket in a directory private to this
     replica (``mkdtemp``: its user only): no port to allocate, nothing reachable from outside
@@ -49,13 +48,12 @@ class VllmKvEventRelay:
         self._load = load
         self._dir = tempfile.mkdtemp(prefix="forge-kv-")
         self.endpoint = f"ipc://{self._dir}/events"
-        self.forge_hashes: dict[int | bytes, int] = {}  # vLLM's block hash → Forge's
+        self.held: set[int] = set()  # vLLM's blocks, as its events name them
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._redialer: asyncio.Task | None = None
         self._next_seq = 0
-        self.skipped = 0  # vLLM blocks stored that Forge cannot name
         self.bad_batches = 0  # messages on the socket that were not a batch it could apply
 
     def vllm_config(self):
@@ -134,49 +132,18 @@ class VllmKvEventRelay:
             # keeps this logic free of vLLM, runnable and tested where vLLM is not installed.
             kind = type(event).__name__
             if kind == "AllBlocksCleared":
-                self.forge_hashes.clear()
+                self.held.clear()
                 self._events.cleared()
             elif getattr(event, "medium", None) not in (None, "GPU"):
                 continue  # an offload tier (CPU, storage): routers route on what the GPU holds
             elif kind == "BlockStored":
-                self._events.stored(self._stored(event))
+                stored = [external_hash(h) for h in event.block_hashes]
+                self.held.update(stored)
+                self._events.stored(stored)
             elif kind == "BlockRemoved":
-                # A list, not a generator: the map must lose them whether or not it is read.
-                removed = [self.forge_hashes.pop(h, None) for h in event.block_hashes]
-                self._events.removed([h for h in removed if h is not None])
-
-    def _stored(self, event) -> list[int]:
-        """Forge's names for the blocks, each chained from its parent's; none for those whose
-        parent it cannot name (stored before this relay listened, or skipped below)."""
-        size, vllm_hashes, tokens = event.block_size, event.block_hashes, event.token_ids
-        parent = None
-        if event.parent_block_hash is not None:
-            parent = self.forge_hashes.get(event.parent_block_hash)
-            if parent is None:
-                return self._skip(vllm_hashes, "their parent is unknown")
-        if len(tokens) != size * len(vllm_hashes):  # a run with null (sliding-window) blocks
-            return self._skip(vllm_hashes, "their tokens do not split into them")
-        extra_keys = event.extra_keys or [None] * len(vllm_hashes)
-        forge: list[int] = []
-        for i, (vllm_hash, keys) in enumerate(zip(vllm_hashes, extra_keys, strict=True)):
-            if keys:
-                # Its vLLM hash folds in more than tokens (LoRA, images, cache salt): Forge's
-                # chain would confuse it with the plain block, and cannot name its children.
-                return forge + self._skip(vllm_hashes[i:], "they are keyed by more than tokens")
-            parent = chain_block_hash(parent, tokens[i * size : (i + 1) * size])
-            self.forge_hashes[vllm_hash] = parent
-            forge.append(parent)
-        return forge
-
-    def _skip(self, vllm_hashes: list, why: str) -> list[int]:
-        self.skipped += len(vllm_hashes)
-        logger.debug(
-            "KV events: %d vLLM blocks not routable (%d so far): %s",
-            len(vllm_hashes),
-            self.skipped,
-            why,
-        )
-        return []
+                removed = [external_hash(h) for h in event.block_hashes]
+                self.held.difference_update(removed)
+                self._events.removed(removed)
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, self._redialer) if t is not None]

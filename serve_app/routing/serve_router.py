@@ -18,25 +18,18 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from serve_app import tokenizer
 from serve_app.adapters import request_adapter
 from serve_app.bridge import pool_bridge, pool_of_deployment, replica_backend
 from serve_app.config.models import KvEventsConfig
-from serve_app.kvcache.block_hashes import prefix_block_hashes
 from serve_app.kvcache.curve import curve_keys
 from serve_app.metrics import counter
-from serve_app.protocol import prompt_text
 from serve_app.resilience.breaker import Admit, State
 from serve_app.routing.adapters import AdapterAffinity
 from serve_app.routing.base import ReplicaView, RouteRequest, RoutingPolicy
 from serve_app.routing.kv_aware import uncached_tokens
 from serve_app.routing.kv_index import KvIndex
+from serve_app.routing.prompt_hashing import build_prompt_hasher
 from serve_app.routing.registry import KV_EVENT_POLICIES, build_policy
-
-# Enough text for the first blocks a policy looks at; tokenizing a 100 kB prompt per request
-# to hash 4 blocks of it would cost more than the routing decision.
-_PREFIX_CHARS = 16_384
-
 
 # Policies that look at the prompt; the others never pay for tokenizing it.
 _PREFIX_POLICIES = frozenset({"prefix_affinity", "kv_aware"})
@@ -60,6 +53,7 @@ class ForgeRequestRouter(RequestRouter):
         adapter_affinity: bool = True,
         adapter_load_factor: float = 1.25,
         adapter_memory_s: float = 2.0,
+        prompt_hashing: dict | None = None,
         **options: Any,
     ) -> None:
         self.policy: RoutingPolicy = build_policy(policy, **options)
@@ -71,6 +65,12 @@ class ForgeRequestRouter(RequestRouter):
         self.policy_name = policy
         self.needs_prefix = policy in _PREFIX_POLICIES
         self.block_size = block_size
+        # The prompt's blocks named as the pool's engine names them (``prompt_hashing.py``).
+        self.hasher = (
+            build_prompt_hasher(prompt_hashing, block_size, route_blocks)
+            if self.needs_prefix
+            else None
+        )
         # Serve calls choose_replicas again on every backoff: compute a request's route once.
         self._routes: dict[str, RouteRequest] = {}
         pool = self._deployment_id.name
@@ -223,9 +223,10 @@ class ForgeRequestRouter(RequestRouter):
             # Count it on the replica until its engine says it took it in, and remember its
             # blocks there: the next request with this prompt follows it.
             uncached = uncached_tokens(route, self.index.holds(rid))
-            # An adapter's blocks are cached under hashes keyed by its LoRA (as vLLM keys
-            # them), which these are not: its prefill counts, its blocks are not remembered.
-            blocks = route.block_hashes if route.adapter is None else ()
+            # An adapter's blocks are cached under hashes keyed by its LoRA: unless the hasher
+            # keys them so too (vLLM's), its prefill counts, its blocks are not remembered.
+            keyed = route.adapter is None or self.hasher.keys_adapters
+            blocks = route.block_hashes if keyed else ()
             self.index.assign(request_id, rid, uncached, blocks)
         if request_id is not None and request_id not in self.bridge.pinned:
             breakers = self.bridge.breakers
@@ -321,19 +322,7 @@ class ForgeRequestRouter(RequestRouter):
         """The prompt's block hashes, from the call ``stream/complete(body, kind, request_id)``."""
         if pending is None or len(pending.args) < 2 or not isinstance(pending.args[0], dict):
             return RouteRequest()
-        body, kind = pending.args[0], pending.args[1]
-        try:
-            text = prompt_text(body, kind)[:_PREFIX_CHARS]
-        except (KeyError, IndexError, TypeError):
-            return RouteRequest()
-        ids = tokenizer.encode(text)
-        hashes = prefix_block_hashes(ids[: self.block_size * self.route_blocks], self.block_size)
-        return RouteRequest(
-            hashes,
-            prompt_tokens=len(ids),
-            block_size=self.block_size,
-            adapter=request_adapter(body),
-        )
+        return self.hasher.route(pending.args[0], pending.args[1])
 
 
 def _adapter_of(pending: PendingRequest) -> str | None:

@@ -1,4 +1,4 @@
-"""The vLLM KV-event relay's renaming, without vLLM: what a router's index would be told.
+"""The vLLM KV-event relay, without vLLM: what a router's index would be told.
 
 The events are stand-ins named and shaped like vLLM's (the relay dispatches on the class name,
 which is vLLM's wire tag); ``tests/vllm/test_kv_events_vllm.py`` checks vLLM's own events have
@@ -17,7 +17,6 @@ import zmq
 import zmq.asyncio
 
 from serve_app.engines.vllm_kv_relay import VllmKvEventRelay
-from serve_app.kvcache.block_hashes import chain_block_hash
 from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES, EngineLoad, KvEventPublisher
 from tests.polling import eventually_async
 
@@ -84,15 +83,6 @@ def relay(events):
     relay.remove_dir()
 
 
-def chain(*blocks: list[int], parent: int | None = None) -> list[int]:
-    """Forge's names for consecutive blocks, the first chained from ``parent``."""
-    names = []
-    for tokens in blocks:
-        parent = chain_block_hash(parent, tokens)
-        names.append(parent)
-    return names
-
-
 def test_the_recorder_has_the_publishers_calls():
     for name in ("stored", "removed", "cleared", "accepted", "flush"):
         ours = inspect.signature(getattr(Recorder, name)).parameters
@@ -100,62 +90,34 @@ def test_the_recorder_has_the_publishers_calls():
         assert list(ours) == list(theirs), name
 
 
-def test_stored_blocks_get_forges_chained_names(relay, events):
-    first, second = chain([1, 2], [3, 4])
-
+def test_stored_blocks_are_announced_under_vllms_own_names(relay, events):
     relay.apply([BlockStored([11, 12], None, [1, 2, 3, 4])])
-
-    assert events.ops == [("stored", [first, second])]
-    assert relay.forge_hashes == {11: first, 12: second}
-    assert relay.skipped == 0
-
-
-def test_a_later_block_is_chained_from_its_parents_forge_name(relay, events):
-    relay.apply([BlockStored([11, 12], None, [1, 2, 3, 4])])
-    events.ops.clear()
-
     relay.apply([BlockStored([13], 12, [5, 6])])  # a later step, parented on vLLM's hash
 
-    (parent,) = chain([1, 2], [3, 4])[1:]
-    assert events.ops == [("stored", chain([5, 6], parent=parent))]
-    # The same name the whole prompt's chain gives its third block.
-    assert relay.forge_hashes[13] == chain([1, 2], [3, 4], [5, 6])[2]
+    assert events.ops == [("stored", [11, 12]), ("stored", [13])]
+    assert relay.held == {11, 12, 13}
 
 
-def test_a_block_whose_parent_is_unknown_is_skipped_and_counted(relay, events):
-    # Stored on a parent cached before the relay listened: nothing to chain from.
-    relay.apply([BlockStored([98, 99], 404, [7, 8, 9, 10])])
-
-    assert events.ops == [("stored", [])]
-    assert relay.forge_hashes == {}
-    assert relay.skipped == 2
-
-
-def test_blocks_keyed_by_more_than_tokens_are_skipped_with_the_rest_of_the_run(relay, events):
+def test_blocks_keyed_by_more_than_tokens_are_announced_too(relay, events):
+    # A LoRA's, a cache salt's or an image's blocks: the routers compute vLLM's keyed hashes.
     relay.apply(
         [
-            # A cache salt keys the first block, and so every block after it.
             BlockStored([21, 22], None, [1, 2, 3, 4], extra_keys=[("salt",), None]),
-            # An image in the second block: the first is still plain tokens.
-            BlockStored(
-                [31, 32, 33], None, [1, 2, 7, 7, 8, 8], extra_keys=[None, ("img", 0), None]
-            ),
-            BlockStored([34], 32, [9, 9]),  # a child of a keyed block has no Forge parent
+            BlockStored([34], 404, [9, 9]),  # a parent stored before the relay listened
         ]
     )
 
-    assert events.ops == [("stored", []), ("stored", chain([1, 2])), ("stored", [])]
-    assert relay.forge_hashes == {31: chain([1, 2])[0]}
-    assert relay.skipped == 2 + 2 + 1
+    assert events.ops == [("stored", [21, 22]), ("stored", [34])]
 
 
-def test_tokens_that_do_not_split_into_the_blocks_are_skipped(relay, events):
-    # A run with null (sliding-window) blocks: fewer tokens than the blocks would hold.
-    relay.apply([BlockStored([41, 42], None, [1, 2, 3])])
+def test_a_digest_is_announced_by_its_low_64_bits_as_vllm_announces_ints(relay, events):
+    digest = bytes(range(32))  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: raw digests
 
-    assert events.ops == [("stored", [])]
-    assert relay.forge_hashes == {}
-    assert relay.skipped == 2
+    relay.apply([BlockStored([digest], None, [1, 2]), BlockRemoved([digest])])
+
+    low = int.from_bytes(digest[-8:], "big")
+    assert events.ops == [("stored", [low]), ("removed", [low])]
+    assert relay.held == set()
 
 
 def test_events_of_an_offload_tier_are_ignored(relay, events):
@@ -170,35 +132,32 @@ def test_events_of_an_offload_tier_are_ignored(relay, events):
     )
 
     assert events.ops == []
-    assert relay.forge_hashes == {11: chain([1, 2])[0]}
-    assert relay.skipped == 0
+    assert relay.held == {11}
 
 
 def test_no_medium_is_the_gpu(relay, events):
     relay.apply([BlockStored([11], None, [1, 2], medium=None)])
 
-    assert events.ops == [("stored", chain([1, 2]))]
+    assert events.ops == [("stored", [11])]
 
 
-def test_removed_blocks_are_announced_under_forges_names(relay, events):
-    first, second = chain([1, 2], [3, 4])
+def test_removed_blocks_leave_the_snapshot(relay, events):
     relay.apply([BlockStored([11, 12], None, [1, 2, 3, 4])])
     events.ops.clear()
 
-    relay.apply([BlockRemoved([12, 404])])  # 404: a block Forge never named
+    relay.apply([BlockRemoved([12])])
 
-    assert events.ops == [("removed", [second])]
-    assert relay.forge_hashes == {11: first}
+    assert events.ops == [("removed", [12])]
+    assert relay.held == {11}
 
 
-def test_clearing_empties_the_map_and_announces_it(relay, events):
+def test_clearing_empties_the_snapshot_and_announces_it(relay, events):
     relay.apply([BlockStored([11, 12], None, [1, 2, 3, 4])])
 
     relay.apply([AllBlocksCleared(), BlockStored([13], 12, [5, 6])])
 
-    assert events.ops[1:] == [("cleared",), ("stored", [])]  # 12's name went with the clear
-    assert relay.forge_hashes == {}
-    assert relay.skipped == 1
+    assert events.ops[1:] == [("cleared",), ("stored", [13])]
+    assert relay.held == {13}
 
 
 def test_accepting_a_request_announces_it_with_the_engines_load(relay, events):
@@ -247,7 +206,7 @@ async def test_the_relay_outlives_an_oversized_or_garbled_batch(events):
         await eventually_async(
             lambda: events.ops, timeout_s=10, what="the good batch to be relayed"
         )
-        assert events.ops == [("stored", chain([1, 2]))]
+        assert events.ops == [("stored", [11])]
         assert relay.bad_batches == 1
     finally:
         await relay.close()

@@ -11,6 +11,8 @@ No Ray cluster: Ray's metric objects work without one.
 from __future__ import annotations
 
 import uuid
+import zlib
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,6 +29,8 @@ from serve_app.kvcache.events import EngineLoad, KvEventPublisher
 from serve_app.resilience.board import BreakerBoard
 from serve_app.resilience.breaker import BreakerSettings, Outcome
 from serve_app.resilience.client import BreakerClient
+from serve_app.routing.base import RouteRequest
+from serve_app.routing.prompt_hashing import SimulatedPromptHasher
 from serve_app.routing.serve_router import ForgeRequestRouter
 from tests.doubles import MODEL, Clock
 from tests.polling import eventually_async
@@ -470,4 +474,34 @@ async def test_kv_aware_does_not_take_an_adapters_blocks_for_the_base_models(pub
     assert router.index.assigned_tokens("b") > 0  # its prefill is b's backlog...
     # ...but b holds the adapter's blocks, not the base model's: nothing draws this there.
     assert (await ranked(router, replicas, pending("req-2", prompt)))[0] == "a"
+    router.index.close()
+
+
+class AdapterKeyedHasher(SimulatedPromptHasher):
+    """Names an adapter's blocks apart from the base model's, as vLLM does (and its hasher)."""
+
+    keys_adapters = True
+
+    def route(self, body: dict, kind: str) -> RouteRequest:
+        route = super().route(body, kind)
+        if route.adapter is None:
+            return route
+        salt = zlib.crc32(route.adapter.encode())
+        return replace(route, block_hashes=tuple(h ^ salt for h in route.block_hashes))
+
+
+async def test_kv_aware_follows_an_adapters_blocks_where_its_hasher_keys_them(publisher):
+    replicas = [Replica("a"), Replica("b")]
+    router = kv_router(replicas, publisher)
+    router.hasher = AdapterKeyedHasher(BLOCK_SIZE, 128)  # a vLLM pool's, in kind
+    prompt = "8 a prompt an adapter served first"
+    first = adapter_request("req-1", "support")
+    first.args[0]["messages"][0]["content"] = prompt
+    await ranked(router, replicas, first)
+    router.on_request_routed(first, replicas[1].replica_id, None)  # Serve sent it to "b"
+    again = adapter_request("req-2", "support")
+    again.args[0]["messages"][0]["content"] = prompt
+
+    assert (await ranked(router, replicas, again))[0] == "b", "the adapter's blocks are on b"
+    assert (await ranked(router, replicas, pending("req-3", prompt)))[0] == "a", "not the base's"
     router.index.close()

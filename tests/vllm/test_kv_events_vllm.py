@@ -1,8 +1,9 @@
-"""vLLM's own KV-cache events, relayed by VLLMEngine, reach a router's index as Forge's hashes.
+"""vLLM's own KV-cache events, relayed by VLLMEngine, reach a router's index under vLLM's hashes.
 
 One real engine (the tiny model, prefix caching on) publishing through a real
 ``KvEventPublisher`` to a real ``KvIndex``, all in this process and without Ray: what the
-index holds is compared with Forge's block-hash chain over the tokens vLLM computed.
+index holds is compared with Forge's reimplementation of vLLM's block hashes over the tokens
+vLLM computed (``serve_app/kvcache/vllm_block_hashes.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest_asyncio
 from serve_app.config.models import VLLMEngineConfig
 from serve_app.engines.vllm_engine import VLLMEngine
 from serve_app.engines.vllm_kv_relay import VllmKvEventRelay
-from serve_app.kvcache.block_hashes import prefix_block_hashes
 from serve_app.kvcache.events import EngineLoad, KvEventPublisher
+from serve_app.kvcache.vllm_block_hashes import VllmBlockHasher
 from serve_app.routing.kv_index import KvIndex
 from serve_app.tools.tiny_model import vllm_engine_config
 from tests.polling import eventually_async
@@ -25,7 +26,13 @@ from tests.vllm.conftest import MODEL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
+
 # ~200 tokens: several full blocks of 32 and a partial last one.
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:
+    """The blocks as vLLM names them, with the seed this process's engine has."""
+    return VllmBlockHasher.from_environment().block_hashes(token_ids, block_size)
+
+
 PROMPT = "Forge routes each prompt to the replica that already holds its prefix. " * 5
 
 
@@ -68,7 +75,7 @@ async def held_exactly(index: KvIndex, expected: set[int], replica: str = "r1") 
     )
 
 
-async def test_a_prompts_blocks_reach_the_index_under_forges_hashes(kv, tokenizer):
+async def test_a_prompts_blocks_reach_the_index_under_vllms_hashes(kv, tokenizer):
     engine, publisher, index, resyncs = kv
     token_ids = tokenizer.encode(PROMPT)
     index.assign("req-kv-1", "r1", tokens=len(token_ids), hashes=())
@@ -108,7 +115,7 @@ async def test_a_longer_prompt_extends_the_chain_from_its_cached_parent(kv, toke
     )
 
     assert usage.cached_tokens > 0, "vLLM reused the first prompt's blocks"
-    # vLLM stores only the new blocks, parented on the last cached one's vLLM hash.
+    # vLLM stores only the new blocks, chained from the last cached one's hash.
     await held_exactly(index, set(prefix_block_hashes(token_ids, engine.block_size)))
     assert set(engine.cached_block_hashes()) == set(index.blocks("r1"))
     assert resyncs.reasons == []
@@ -184,12 +191,11 @@ async def test_the_relay_knows_vllms_own_events_by_the_names_it_sends():
     received = msgspec.msgpack.Decoder(type=KVEventBatch).decode(msgspec.msgpack.encode(sent))
     events = _Recorder()
     relay = VllmKvEventRelay(events, lambda: EngineLoad())
-    chain = prefix_block_hashes([1, 2, 3, 4], 2)
 
     relay.apply(received.events[:2])
 
-    assert events.ops == [("stored", list(chain)), ("removed", [chain[1]])]
-    assert relay.forge_hashes == {11: chain[0]}
+    assert events.ops == [("stored", [11, 12]), ("removed", [12])]
+    assert relay.held == {11}
     relay.apply(received.events[2:])
-    assert events.ops[-1] == ("cleared",) and relay.forge_hashes == {}
+    assert events.ops[-1] == ("cleared",) and relay.held == set()
     await relay.close()

@@ -1,0 +1,194 @@
+"""A request's prompt as block hashes, the way the pool's engine names its cached blocks.
+
+The routers match a prompt's blocks against what the replicas announce, so they must hash as
+the pool's engine does; one implementation per engine kind, chosen per pool (``for_pool``
+builds the options in the app builder, ``build_prompt_hasher`` the hasher in each router):
+
+- ``SimulatedPromptHasher``: Forge's word-piece tokenizer and block-hash chain, the simulated
+  engine's own (``serve_app/tokenizer.py``, ``serve_app/kvcache/block_hashes.py``).
+- ``VllmPromptHasher``: the served model's tokenizer and chat template from its directory
+  (``routing/model_tokenizer.py``) and vLLM's block hashing (``kvcache/vllm_block_hashes.py``),
+  with the LoRA adapter and cache salt folded in as vLLM folds them: an adapter's blocks are
+  named apart from the base model's, so the index can remember them too (``keys_adapters``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from serve_app import tokenizer
+from serve_app.adapters import adapter_model, request_adapter
+from serve_app.kvcache.block_hashes import prefix_block_hashes
+from serve_app.kvcache.vllm_block_hashes import VllmBlockHasher, lora_extra_key
+from serve_app.protocol import prompt_text
+from serve_app.routing.base import RouteRequest
+
+logger = logging.getLogger("ray.serve")
+
+# Enough text for the first blocks a policy looks at; tokenizing a 100 kB prompt per request
+# to hash 4 blocks of it would cost more than the routing decision.
+PREFIX_CHARS = 16_384
+# Of a prompt cut at PREFIX_CHARS, the last tokens may differ from the whole prompt's (a word
+# cut in two): the blocks holding them are not hashed.
+_CUT_MARGIN_TOKENS = 16
+
+
+class PromptHasher(Protocol):
+    # True when an adapter's request is hashed apart from the base model's, as its engine
+    # caches it: the router may then remember its blocks where it sent it.
+    keys_adapters: bool
+
+    def route(self, body: dict, kind: str) -> RouteRequest: ...
+
+
+class SimulatedPromptHasher:
+    """The simulated engine's tokens and chain (its adapters' salting is its own: not here)."""
+
+    keys_adapters = False
+
+    def __init__(self, block_size: int, route_blocks: int) -> None:
+        self.block_size = block_size
+        self.route_blocks = route_blocks
+
+    def route(self, body: dict, kind: str) -> RouteRequest:
+        try:
+            text = prompt_text(body, kind)[:PREFIX_CHARS]
+        except (KeyError, IndexError, TypeError):
+            return RouteRequest()
+        ids = tokenizer.encode(text)
+        hashes = prefix_block_hashes(ids[: self.block_size * self.route_blocks], self.block_size)
+        return RouteRequest(
+            hashes,
+            prompt_tokens=len(ids),
+            block_size=self.block_size,
+            adapter=request_adapter(body),
+        )
+
+
+class VllmPromptHasher:
+    """vLLM's token ids and block hashes for a request (see the module docstring).
+
+    ``adapters``: adapter name → the path its replicas load it from (part of vLLM's key).
+    """
+
+    keys_adapters = True
+
+    def __init__(
+        self,
+        model_dir: str,
+        served_model: str,
+        block_size: int,
+        route_blocks: int,
+        adapters: dict[str, str] | None = None,
+        algo: str = "sha256",
+        seed: str | None = None,
+        segment_cache: int = 1024,
+    ) -> None:
+        from serve_app.routing.model_tokenizer import ModelTokenizer
+
+        self.tokenizer = ModelTokenizer(model_dir, segment_cache)
+        self.hasher = VllmBlockHasher(algo, seed)
+        self.served_model = served_model
+        self.block_size = block_size
+        self.route_blocks = route_blocks
+        self.adapters = dict(adapters or {})
+
+    def token_ids(self, body: dict, kind: str) -> tuple[list[int], bool]:
+        """The prompt's token ids as vLLM will see them (as far as the router reads), and
+        whether the text was cut."""
+        if kind == "chat":
+            kwargs = dict(body.get("chat_template_kwargs") or {})
+            for name in ("add_generation_prompt", "continue_final_message"):
+                if name in body:
+                    kwargs[name] = body[name]
+            tools = body.get("tools")
+            text = self.tokenizer.render_chat(
+                body["messages"], tools if isinstance(tools, list) else None, **kwargs
+            )
+            add_special = bool(body.get("add_special_tokens", False))
+        else:
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                return list(prompt), False  # token ids: vLLM takes them as they are
+            text = prompt if isinstance(prompt, str) else prompt[0]
+            add_special = bool(body.get("add_special_tokens", True))
+        cut = len(text) > PREFIX_CHARS
+        ids = self.tokenizer.encode(text[:PREFIX_CHARS], add_special)
+        return (ids[:-_CUT_MARGIN_TOKENS] if cut else ids), cut
+
+    def route(self, body: dict, kind: str) -> RouteRequest:
+        adapter = request_adapter(body)
+        lora = None
+        if adapter is not None:
+            path = self.adapters.get(adapter)
+            if path is None:  # the replica answers 404; nothing to find
+                return RouteRequest(adapter=adapter)
+            lora = lora_extra_key(adapter_model(self.served_model, adapter), path)
+        try:
+            ids, _ = self.token_ids(body, kind)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            logger.debug("not hashed for routing: %s", exc)
+            return RouteRequest(adapter=adapter)
+        salt = body.get("cache_salt")
+        hashes = self.hasher.block_hashes(
+            ids[: self.block_size * self.route_blocks],
+            self.block_size,
+            lora,
+            salt if isinstance(salt, str) else None,
+        )
+        return RouteRequest(
+            hashes, prompt_tokens=len(ids), block_size=self.block_size, adapter=adapter
+        )
+
+
+def for_pool(pool: Any) -> dict[str, Any]:
+    """The options ``build_prompt_hasher`` takes, from a ``PoolConfig``.
+
+    A vLLM engine's hash seed is ``PYTHONHASHSEED`` where the replica runs: the pool's
+    ``deployment.ray_actor_options.runtime_env.env_vars`` when it pins it there, else unset.
+    """
+    engine = pool.engine
+    if engine.kind != "vllm":
+        return {"kind": engine.kind}
+    env = ((pool.deployment.get("ray_actor_options") or {}).get("runtime_env") or {}).get(
+        "env_vars"
+    ) or {}
+    return {
+        "kind": "vllm",
+        "model_dir": engine.model,
+        "served_model": pool.model,
+        "adapters": {a.name: a.path for a in pool.adapters},
+        "algo": engine.engine_args.get("prefix_caching_hash_algo", "sha256"),
+        "seed": env.get("PYTHONHASHSEED"),
+    }
+
+
+def build_prompt_hasher(
+    options: dict[str, Any] | None, block_size: int, route_blocks: int
+) -> PromptHasher:
+    """The pool's hasher. A vLLM pool whose model directory the gateway cannot read is routed
+    by its replicas' load alone (said once in the log): the simulator's hashes would never
+    meet its replicas' blocks, and a wrong match is worse than none."""
+    options = dict(options or {})
+    if options.pop("kind", "simulated") != "vllm":
+        return SimulatedPromptHasher(block_size, route_blocks)
+    try:
+        return VllmPromptHasher(block_size=block_size, route_blocks=route_blocks, **options)
+    except (OSError, ImportError, ValueError) as exc:
+        logger.warning(
+            "pool model %s: no prompt hashing for routing (%s); routing by load only",
+            options.get("model_dir"),
+            exc,
+        )
+        return _NoPromptHasher(block_size)
+
+
+class _NoPromptHasher:
+    keys_adapters = False
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def route(self, body: dict, kind: str) -> RouteRequest:
+        return RouteRequest(block_size=self.block_size, adapter=request_adapter(body))
