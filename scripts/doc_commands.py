@@ -901,6 +901,14 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
         group="vllm",
     ),
+    "python -m loadtest.prompt_hashing": quick(
+        "{vllm_python} -m loadtest.prompt_hashing --model {tiny_model} --requests 300"
+        " --out {tmp}/prompt-hashing.json",
+        timeout=120,
+        group="vllm",
+        note="the tiny model's tokenizer through the tokenizers package, which the vLLM "
+        "virtualenv has",
+    ),
     "python -m vllm.entrypoints.openai.api_server": Elsewhere(
         "vLLM's own server: loadtest.vllm_overhead starts it, with these arguments, beside Forge",
         by="python -m loadtest.vllm_overhead",
