@@ -345,6 +345,19 @@ class VLLMEngine(Engine):
             slots=self.max_num_seqs,
         )
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's prefix cache and tell the routers at once.
+
+        vLLM queues its ``AllBlocksCleared`` and publishes it with its next step's events, and
+        an idle engine takes no step: until its next request the routers would send prompts
+        here for blocks it no longer holds. False (nothing said) if vLLM refused the reset
+        (blocks still in use).
+        """
+        reset = bool(await self.llm.reset_prefix_cache())
+        if reset and self._kv is not None:
+            self._kv.cleared()
+        return reset
+
     def cached_block_hashes(self) -> list[int]:
         return [] if self._kv is None else list(self._kv.held)
 

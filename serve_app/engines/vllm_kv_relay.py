@@ -15,7 +15,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import zmq
 import zmq.asyncio
@@ -34,6 +34,14 @@ class VllmKvEventRelay:
     vLLM publishes from its engine-core process. ``held`` is the engine's snapshot: every block
     it announced and has not removed since.
 
+    A hybrid model (full and sliding-window attention, or Mamba layers) caches a block once per
+    KV-cache group, under one hash: vLLM stores and removes it per group (``group_idx``). The
+    routers are told of a block once, when its first group stores it, and of its removal when
+    its last group removes it: a sliding-window group dropping the blocks behind its window does
+    not make the routers forget what the full-attention group still holds. Copies count too:
+    two requests that computed the same block at once leave two blocks under one hash, and
+    vLLM removes them one at a time.
+
     The hop is one ZeroMQ PUB/SUB over an ``ipc://`` socket in a directory private to this
     replica (``mkdtemp``: its user only): no port to allocate, nothing reachable from outside
     the node, so no CURVE. It is capped all the same (``DEFAULT_MAX_MESSAGE_BYTES``: one engine
@@ -48,7 +56,8 @@ class VllmKvEventRelay:
         self._load = load
         self._dir = tempfile.mkdtemp(prefix="forge-kv-")
         self.endpoint = f"ipc://{self._dir}/events"
-        self.held: set[int] = set()  # vLLM's blocks, as its events name them
+        # vLLM's block → its copies in each group holding it
+        self._groups: dict[int, dict[int | None, int]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
@@ -83,6 +92,12 @@ class VllmKvEventRelay:
 
     def accepted(self, request_id: str) -> None:
         self._events.accepted(request_id)
+        self.flush()
+
+    def cleared(self) -> None:
+        """The engine's cache was emptied (vLLM's own event comes with its next step's)."""
+        self._groups.clear()
+        self._events.cleared()
         self.flush()
 
     def flush(self) -> None:
@@ -132,18 +147,45 @@ class VllmKvEventRelay:
             # keeps this logic free of vLLM, runnable and tested where vLLM is not installed.
             kind = type(event).__name__
             if kind == "AllBlocksCleared":
-                self.held.clear()
+                self._groups.clear()
                 self._events.cleared()
             elif getattr(event, "medium", None) not in (None, "GPU"):
                 continue  # an offload tier (CPU, storage): routers route on what the GPU holds
             elif kind == "BlockStored":
-                stored = [external_hash(h) for h in event.block_hashes]
-                self.held.update(stored)
-                self._events.stored(stored)
+                self._events.stored(self._stored(event))
             elif kind == "BlockRemoved":
-                removed = [external_hash(h) for h in event.block_hashes]
-                self.held.difference_update(removed)
-                self._events.removed(removed)
+                self._events.removed(self._removed(event))
+
+    @property
+    def held(self) -> Collection[int]:
+        """vLLM's blocks, as its events name them: the engine's snapshot."""
+        return self._groups.keys()
+
+    def _stored(self, event) -> list[int]:
+        """The blocks no group held before."""
+        group, new = getattr(event, "group_idx", None), []
+        for block_hash in map(external_hash, event.block_hashes):
+            groups = self._groups.get(block_hash)
+            if groups is None:
+                groups = self._groups[block_hash] = {}
+                new.append(block_hash)
+            groups[group] = groups.get(group, 0) + 1
+        return new
+
+    def _removed(self, event) -> list[int]:
+        """The blocks whose last copy in their last group went."""
+        group, gone = getattr(event, "group_idx", None), []
+        for block_hash in map(external_hash, event.block_hashes):
+            groups = self._groups.get(block_hash)
+            if groups is None or group not in groups:
+                continue
+            groups[group] -= 1
+            if not groups[group]:
+                del groups[group]
+            if not groups:
+                del self._groups[block_hash]
+                gone.append(block_hash)
+        return gone
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, self._redialer) if t is not None]

@@ -31,12 +31,14 @@ class BlockStored:
     block_size: int = BLOCK
     extra_keys: list | None = None
     medium: str | None = "GPU"
+    group_idx: int | None = None
 
 
 @dataclass
 class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = "GPU"
+    group_idx: int | None = None
 
 
 @dataclass
@@ -95,7 +97,7 @@ def test_stored_blocks_are_announced_under_vllms_own_names(relay, events):
     relay.apply([BlockStored([13], 12, [5, 6])])  # a later step, parented on vLLM's hash
 
     assert events.ops == [("stored", [11, 12]), ("stored", [13])]
-    assert relay.held == {11, 12, 13}
+    assert set(relay.held) == {11, 12, 13}
 
 
 def test_blocks_keyed_by_more_than_tokens_are_announced_too(relay, events):
@@ -117,7 +119,7 @@ def test_a_digest_is_announced_by_its_low_64_bits_as_vllm_announces_ints(relay, 
 
     low = int.from_bytes(digest[-8:], "big")
     assert events.ops == [("stored", [low]), ("removed", [low])]
-    assert relay.held == set()
+    assert set(relay.held) == set()
 
 
 def test_events_of_an_offload_tier_are_ignored(relay, events):
@@ -132,7 +134,7 @@ def test_events_of_an_offload_tier_are_ignored(relay, events):
     )
 
     assert events.ops == []
-    assert relay.held == {11}
+    assert set(relay.held) == {11}
 
 
 def test_no_medium_is_the_gpu(relay, events):
@@ -148,7 +150,7 @@ def test_removed_blocks_leave_the_snapshot(relay, events):
     relay.apply([BlockRemoved([12])])
 
     assert events.ops == [("removed", [12])]
-    assert relay.held == {11}
+    assert set(relay.held) == {11}
 
 
 def test_clearing_empties_the_snapshot_and_announces_it(relay, events):
@@ -157,7 +159,55 @@ def test_clearing_empties_the_snapshot_and_announces_it(relay, events):
     relay.apply([AllBlocksCleared(), BlockStored([13], 12, [5, 6])])
 
     assert events.ops[1:] == [("cleared",), ("stored", [13])]
-    assert relay.held == {13}
+    assert set(relay.held) == {13}
+
+
+def test_a_hybrid_models_block_is_announced_once_and_removed_with_its_last_group(relay, events):
+    # Full attention (group 0) and a sliding window (group 1) cache the same blocks.
+    relay.apply(
+        [
+            BlockStored([11, 12], None, [1, 2, 3, 4], group_idx=0),
+            BlockStored([11, 12], None, [1, 2, 3, 4], group_idx=1),
+        ]
+    )
+    assert events.ops == [("stored", [11, 12]), ("stored", [])]
+
+    relay.apply([BlockRemoved([11], group_idx=1)])  # behind the window: group 0 still holds it
+    assert events.ops[-1] == ("removed", [])
+    assert set(relay.held) == {11, 12}
+
+    relay.apply([BlockRemoved([11], group_idx=0), BlockRemoved([11], group_idx=0)])
+    assert events.ops[-2:] == [("removed", [11]), ("removed", [])]
+    assert set(relay.held) == {12}
+
+
+def test_a_group_that_never_stored_a_block_cannot_remove_it(relay, events):
+    relay.apply([BlockStored([11], None, [1, 2], group_idx=0)])
+
+    relay.apply([BlockRemoved([11], group_idx=1), BlockRemoved([99], group_idx=0)])
+
+    assert events.ops[1:] == [("removed", []), ("removed", [])]
+    assert set(relay.held) == {11}
+
+
+def test_a_block_computed_twice_is_held_until_its_last_copy_goes(relay, events):
+    relay.apply([BlockStored([11], None, [1, 2]), BlockStored([11], None, [1, 2])])
+
+    relay.apply([BlockRemoved([11])])
+    assert events.ops == [("stored", [11]), ("stored", []), ("removed", [])]
+
+    relay.apply([BlockRemoved([11])])
+    assert events.ops[-1] == ("removed", [11])
+
+
+def test_a_reset_the_replica_made_is_announced_at_once_with_the_load(relay, events):
+    relay.apply([BlockStored([11], None, [1, 2])])
+
+    relay.cleared()  # vLLM's own AllBlocksCleared waits for the engine's next step
+
+    assert events.ops[1:] == [("cleared",)]
+    assert events.loads == [LOAD]
+    assert set(relay.held) == set()
 
 
 def test_accepting_a_request_announces_it_with_the_engines_load(relay, events):

@@ -140,6 +140,23 @@ async def test_resetting_vllms_prefix_cache_empties_the_index(kv, tokenizer):
     assert resyncs.reasons == []
 
 
+async def test_a_reset_through_the_engine_reaches_the_index_at_once(kv, tokenizer):
+    engine, _, index, resyncs = kv
+    assert index.blocks("r1")
+
+    assert await engine.reset_prefix_cache()
+
+    await held_exactly(index, set())  # with no request since: the engine took no step
+    assert list(engine.cached_block_hashes()) == []
+    # vLLM's own clear comes with the next step's events, ahead of its blocks.
+    fresh = "Another prompt, about the tides and the moon that pulls them twice a day. " * 2
+    await engine.complete(
+        {"model": MODEL, "prompt": fresh, "max_tokens": 1}, "completion", "req-kv-4"
+    )
+    await held_exactly(index, set(prefix_block_hashes(tokenizer.encode(fresh), engine.block_size)))
+    assert resyncs.reasons == []
+
+
 class _Recorder:
     """A publisher that only remembers what it was told."""
 
@@ -168,9 +185,9 @@ async def test_the_relay_knows_vllms_own_events_by_the_names_it_sends():
         KVEventBatch,
     )
 
-    read = {"block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_keys", "medium"}
+    read = {"block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx"}
     assert read <= set(BlockStored.__struct_fields__)
-    assert {"block_hashes", "medium"} <= set(BlockRemoved.__struct_fields__)
+    assert {"block_hashes", "medium", "group_idx"} <= set(BlockRemoved.__struct_fields__)
     sent = KVEventBatch(
         ts=0.0,
         events=[
@@ -195,7 +212,7 @@ async def test_the_relay_knows_vllms_own_events_by_the_names_it_sends():
     relay.apply(received.events[:2])
 
     assert events.ops == [("stored", [11, 12]), ("removed", [12])]
-    assert relay.held == {11}
+    assert set(relay.held) == {11}
     relay.apply(received.events[2:])
-    assert events.ops[-1] == ("cleared",) and relay.held == set()
+    assert events.ops[-1] == ("cleared",) and set(relay.held) == set()
     await relay.close()
