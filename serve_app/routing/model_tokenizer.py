@@ -39,7 +39,10 @@ class ModelTokenizer:
         from tokenizers import Tokenizer  # a vLLM pool's router only
 
         root = Path(model_dir)
-        self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a bare Exception, a missing file included
+            raise ValueError(f"no tokenizer in {root}: {exc}") from None
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         template_path = root / "chat_template.jinja"
