@@ -149,10 +149,17 @@ class Engine(ABC):
     abandoned: AbandonedUsage
 
     def cached_block_hashes(self) -> list[int]:
-        """Prefix-cache block hashes (Forge's chain over full prompt blocks,
-        ``serve_app/kvcache/block_hashes.py``): a KV event publisher's snapshot for a router that
-        resyncs. Engines that cannot tell return nothing; routing then ignores cache state."""
+        """Prefix-cache block hashes as the engine's KV events name them (the simulator: Forge's
+        chain, ``serve_app/kvcache/block_hashes.py``; vLLM: its own): a KV event publisher's
+        snapshot for a router that resyncs. Engines that cannot tell return nothing; routing
+        then ignores cache state."""
         return []
+
+    def block_hashing(self) -> dict | None:
+        """How the engine names a prompt's blocks, for routers that compute the names
+        themselves (``routing/prompt_hashing.py``): vLLM's hash algorithm, seed and block size.
+        None: the pool's config says all there is (the simulator's chain)."""
+        return None
 
     @abstractmethod
     async def check_health(self) -> None:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -88,6 +89,7 @@ class VLLMEngine(Engine):
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.block_size = vllm_config.cache_config.block_size
+        self._hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
         self._load.max_loras = config.max_loras if adapters else 0
         try:
             self.llm = AsyncLLM.from_vllm_config(
@@ -357,6 +359,18 @@ class VLLMEngine(Engine):
         if reset and self._kv is not None:
             self._kv.cleared()
         return reset
+
+    def block_hashing(self) -> dict | None:
+        """What a router needs to name blocks as this engine does (``kvcache/
+        vllm_block_hashes.py``): its engine core's seed is this process's ``PYTHONHASHSEED``,
+        inherited when vLLM spawned it. A non-cryptographic algorithm's seed is random per
+        process and not said (the routers cannot follow it, and it must stay secret)."""
+        if self._kv is None:
+            return None
+        if self._hash_algo not in ("sha256", "sha256_cbor"):
+            return {"algo": self._hash_algo, "block_size": self.block_size}
+        seed = os.environ.get("PYTHONHASHSEED")
+        return {"algo": self._hash_algo, "seed": seed, "block_size": self.block_size}
 
     def cached_block_hashes(self) -> list[int]:
         return [] if self._kv is None else list(self._kv.held)

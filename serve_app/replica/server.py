@@ -313,6 +313,10 @@ class Replica:
             stats["kv_events"] = self.kv_events.describe()
         # Cache keys: a gateway whose pool runs in another application learns it here.
         stats["engine_identity"] = self.engine_identity
+        # How the engine names blocks (vLLM's seed and block size): routers follow it.
+        hashing = self.engine.block_hashing()
+        if hashing is not None:
+            stats["block_hashing"] = hashing
         return stats
 
     def _export(self, stats: dict) -> None:

@@ -41,6 +41,9 @@ class PromptHasher(Protocol):
 
     def route(self, body: dict, kind: str) -> RouteRequest: ...
 
+    def follow(self, block_hashing: dict) -> None:
+        """Hash as a replica says its engine does (``Engine.block_hashing``)."""
+
 
 class SimulatedPromptHasher:
     """The simulated engine's tokens and chain (its adapters' salting is its own: not here)."""
@@ -50,6 +53,9 @@ class SimulatedPromptHasher:
     def __init__(self, block_size: int, route_blocks: int) -> None:
         self.block_size = block_size
         self.route_blocks = route_blocks
+
+    def follow(self, block_hashing: dict) -> None:
+        pass  # the simulator's chain and block size are the pool's config
 
     def route(self, body: dict, kind: str) -> RouteRequest:
         try:
@@ -88,7 +94,8 @@ class VllmPromptHasher:
         from serve_app.routing.model_tokenizer import ModelTokenizer
 
         self.tokenizer = ModelTokenizer(model_dir, segment_cache)
-        self.hasher = VllmBlockHasher(algo, seed)
+        self.hasher: VllmBlockHasher | None = VllmBlockHasher(algo, seed)
+        self._followed: tuple | None = None
         self.served_model = served_model
         self.block_size = block_size
         self.route_blocks = route_blocks
@@ -117,8 +124,28 @@ class VllmPromptHasher:
         ids = self.tokenizer.encode(text[:PREFIX_CHARS], add_special)
         return (ids[:-_CUT_MARGIN_TOKENS] if cut else ids), cut
 
+    def follow(self, block_hashing: dict) -> None:
+        """Hash as the replicas' vLLM does, as they report it: the pool's config may not know
+        its seed (``PYTHONHASHSEED`` set for the whole Ray cluster or the application) nor the
+        block size vLLM settled on. An algorithm the router cannot follow (xxhash) leaves
+        requests unhashed: routed by load, as their names would never meet."""
+        settings = tuple(block_hashing.get(k) for k in ("algo", "seed", "block_size"))
+        if settings == self._followed:
+            return
+        self._followed = settings
+        algo, seed, block_size = settings
+        try:
+            self.hasher = VllmBlockHasher(algo or "sha256", seed)
+        except ValueError as exc:
+            self.hasher = None
+            logger.warning("pool model %s: %s; routing by load only", self.served_model, exc)
+        if isinstance(block_size, int) and block_size > 0:
+            self.block_size = block_size
+
     def route(self, body: dict, kind: str) -> RouteRequest:
         adapter = request_adapter(body)
+        if self.hasher is None:
+            return RouteRequest(block_size=self.block_size, adapter=adapter)
         lora = None
         if adapter is not None:
             path = self.adapters.get(adapter)
@@ -189,6 +216,9 @@ class _NoPromptHasher:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+
+    def follow(self, block_hashing: dict) -> None:
+        pass
 
     def route(self, body: dict, kind: str) -> RouteRequest:
         return RouteRequest(block_size=self.block_size, adapter=request_adapter(body))

@@ -162,6 +162,8 @@ class ForgeRequestRouter(RequestRouter):
             await self._first_sync(candidate_replicas)
         views = [self._view(r, r.replica_id.unique_id in excluded) for r in candidate_replicas]
         spilled_before = getattr(self.policy, "spillovers", 0)
+        if self.hasher is not None:
+            self._follow_engine(candidate_replicas)
         route = self._route_for(pending_request)
         ranked = self.policy.rank(views, route)
         if getattr(self.policy, "spillovers", 0) > spilled_before:
@@ -235,6 +237,14 @@ class ForgeRequestRouter(RequestRouter):
                 and breakers.state(replica_backend(self.pool, rid)) is not State.CLOSED
             )
             self.bridge.note_routed(request_id, rid, probe)
+
+    def _follow_engine(self, replicas: list[RunningReplica]) -> None:
+        """Name blocks as the pool's engine says it does (the first replica that says)."""
+        for replica in replicas:
+            hashing = (replica.routing_stats or {}).get("block_hashing")
+            if hashing:
+                self.hasher.follow(hashing)
+                return
 
     def _watch(self, replica: RunningReplica) -> bool:
         """Subscribe the index to the replica's KV events; False if it publishes none (yet)."""

@@ -164,3 +164,13 @@ async def test_an_idle_kv_aware_replica_beats_from_the_moment_it_says_where(monk
     finally:
         ctx.destroy(linger=0)
         await r.kv_events.close()
+
+
+async def test_routing_stats_say_how_the_engine_names_blocks_when_it_says():
+    r = replica()
+    assert "block_hashing" not in await r.record_routing_stats()  # the simulator: config says
+
+    hashing = {"algo": "sha256", "seed": None, "block_size": 32}
+    r.engine.block_hashing = lambda: hashing  # as vLLM's engine reports its own
+
+    assert (await r.record_routing_stats())["block_hashing"] == hashing

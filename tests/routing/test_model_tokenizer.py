@@ -108,6 +108,19 @@ def test_a_prompt_cut_for_routing_hashes_only_blocks_the_whole_prompt_has(model_
     assert cut.block_hashes == full[: len(cut.block_hashes)]
 
 
+def test_the_hasher_follows_the_seed_and_block_size_its_replicas_report(model_dir):
+    prompts = hasher(model_dir)
+    body = {"prompt": list(range(40))}
+
+    prompts.follow({"algo": "sha256", "seed": "0", "block_size": 8})
+
+    assert prompts.route(body, "completion").block_hashes == VllmBlockHasher(
+        "sha256", "0"
+    ).block_hashes(list(range(40)), 8)
+    prompts.follow({"algo": "xxhash", "block_size": 8})  # seeded per process: cannot follow
+    assert prompts.route(body, "completion").block_hashes == ()
+
+
 def test_token_id_prompts_are_hashed_as_given(model_dir):
     route = hasher(model_dir).route({"prompt": list(range(10))}, "completion")
 

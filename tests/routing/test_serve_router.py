@@ -490,6 +490,27 @@ class AdapterKeyedHasher(SimulatedPromptHasher):
         return replace(route, block_hashes=tuple(h ^ salt for h in route.block_hashes))
 
 
+class FollowingHasher(SimulatedPromptHasher):
+    def __init__(self) -> None:
+        super().__init__(BLOCK_SIZE, 128)
+        self.followed: list[dict] = []
+
+    def follow(self, block_hashing: dict) -> None:
+        self.followed.append(block_hashing)
+
+
+async def test_the_prompt_hasher_follows_the_block_hashing_a_replica_reports():
+    hashing = {"algo": "sha256", "seed": "0", "block_size": 32}
+    replicas = [Replica("a"), Replica("b", {"block_hashing": hashing})]
+    router = make_router("prefix_affinity")
+    router.update_replicas(replicas)
+    router.hasher = FollowingHasher()
+
+    await ranked(router, replicas, pending("req-1"))
+
+    assert router.hasher.followed == [hashing]
+
+
 async def test_kv_aware_follows_an_adapters_blocks_where_its_hasher_keys_them(publisher):
     replicas = [Replica("a"), Replica("b")]
     router = kv_router(replicas, publisher)

@@ -56,14 +56,18 @@ async def replica(tiny_model, tmp_path_factory):
     index = KvIndex(pool="test", assign_ttl_s=60)
     index.watch("r1", publisher.endpoint, publisher.snapshot_endpoint)
     await eventually_async(lambda: index.watching("r1"), timeout_s=5, what="the first snapshot")
+    # Built from what a pool's config says (no seed, a GPU's block size), then following what
+    # the replica reports, as a router does: the engine's seed and its block size (32 on CPU).
     hasher = VllmPromptHasher(
-        tiny_model,
-        MODEL,
-        block_size=engine.block_size,
-        route_blocks=128,
-        adapters={ADAPTER: adapter_dir},
-        seed=os.environ.get("PYTHONHASHSEED"),  # the engine's, in this process
+        tiny_model, MODEL, block_size=16, route_blocks=128, adapters={ADAPTER: adapter_dir}
     )
+    hashing = engine.block_hashing()
+    assert hashing == {
+        "algo": "sha256",
+        "seed": os.environ.get("PYTHONHASHSEED"),  # the engine core's, inherited from here
+        "block_size": engine.block_size,
+    }
+    hasher.follow(hashing)
     yield engine, index, hasher
     index.close()
     await engine.shutdown()
