@@ -92,6 +92,7 @@ KNEE_ITL_P99_MS = 5.0
 GATEWAY_CORE, OTHER_CORE = 0, 1
 MODEL = "forge-sim"
 TARGETS = ("direct", "forge", "litellm")
+COLORS = {"direct": "tab:gray", "forge": "tab:blue", "litellm": "tab:orange"}
 
 
 # --- the arithmetic (pure: tests/loadtest/test_concurrency.py) ---------------------------------
@@ -169,6 +170,12 @@ def knee(rows: list[dict], itl_p99_ms: float = KNEE_ITL_P99_MS) -> int | None:
         if row["errors"] > 0 or (itl == itl and itl > itl_p99_ms):  # NaN: no tokens, errors say
             return row["streams"]
     return None
+
+
+def rss_per_stream_kib(rss_mib: float, idle_mib: float, streams: int, errors: int) -> float:
+    """The gateway's growth over its idle RSS per stream it held: a failed stream (refused,
+    never answered) is not counted as held."""
+    return round((rss_mib - idle_mib) * 1024 / max(1, streams - errors), 2)
 
 
 def merge(parts: list[dict]) -> dict:
@@ -463,7 +470,11 @@ def start_target(name: str, settings: Settings) -> Target:
         argv = ["-m", "loadtest.serve_forge", "--port", str(overhead._free_port())]
         argv += ["--engine", json.dumps(settings.engine()), "--max-streams"]
         argv += [str(max(settings.steps))]
-        env = _haproxy_env(settings, workdir) if settings.via == "haproxy" else {}
+        env = (  # direct ingress either way (the gateway replica's own port)
+            _haproxy_env(settings, workdir)
+            if settings.via == "haproxy"
+            else {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+        )
         server = overhead.Server(argv, env=env, cpus=str(OTHER_CORE))
         try:
             proxy, direct_ingress = server.read_ready()
@@ -578,8 +589,8 @@ def run_step(target: Target, streams: int, settings: Settings) -> dict:
         else math.nan,
         "gateway_cpu_ms_per_stream_s": round(1000 * busy / streams, 3),
         "gateway_rss_mib": round(gateway_rss, 1),
-        "gateway_rss_kib_per_stream": round(
-            (gateway_rss - target.idle_rss_mib) * 1024 / streams, 2
+        "gateway_rss_kib_per_stream": rss_per_stream_kib(
+            gateway_rss, target.idle_rss_mib, streams, row["errors"]
         ),
         "engine_cpu_pct": round(100 * cpu["engine"], 1),
         "proxy_cpu_pct": round(100 * cpu["proxy"], 1),  # HAProxy (Forge via :8000's path)
@@ -653,12 +664,13 @@ def _part(frame: str) -> str | None:
         return "serve_app/" + where.split("serve_app/", 1)[1].split(":")[0]
     if "ray/serve/" in where:
         return "ray.serve: " + where.rsplit("/", 1)[1].split(":")[0]
+    path = "/" + where  # py-spy names site-packages' files from the package down
     for name in ("grpc", "uvicorn", "h11", "starlette", "opentelemetry", "prometheus_client"):
-        if f"/{name}/" in where or f"/{name}." in where:
+        if f"/{name}/" in path or f"/{name}." in path:
             return name
-    if "ray/" in where:
+    if "/ray/" in path:
         return "ray (other)"
-    if "/asyncio/" in where:
+    if "/asyncio/" in path:
         return "asyncio"
     return None
 
@@ -730,16 +742,23 @@ def plot(data: dict, path: Path) -> None:
     from loadtest.plots import save, subplots
 
     fig, (itl, rss) = subplots(1, 2, figsize=(10, 4))
+
+    def points(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+        kept = [(r["streams"], r[key]) for r in rows if r[key] == r[key] and r[key] > 0]
+        return [x for x, _ in kept], [y for _, y in kept]
+
     for result in data["results"]:
-        rows = result["rows"]
-        xs = [r["streams"] for r in rows]
-        itl.plot(xs, [r["added_itl_p99_ms"] for r in rows], marker="o", label=result["target"])
+        style = {"marker": "o", "label": result["target"], "color": COLORS.get(result["target"])}
+        itl.plot(*points(result["rows"], "added_itl_p99_ms"), **style)
         if result["target"] != "direct":
-            kib = [r["gateway_rss_kib_per_stream"] for r in rows]
-            rss.plot(xs, kib, marker="o", label=result["target"])
+            rss.plot(*points(result["rows"], "gateway_rss_kib_per_stream"), **style)
+    itl.set(xlabel="open streams", ylabel="added ITL p99 (ms)")
+    rss.set(xlabel="open streams", ylabel="gateway RSS per open stream (KiB)")
+    for axis, scales in ((itl, ("x", "y")), (rss, ("x",))):
+        if any(len(line.get_xdata()) for line in axis.get_lines()):  # all failed: nothing
+            for which in scales:
+                getattr(axis, f"set_{which}scale")("log")
     itl.axhline(KNEE_ITL_P99_MS, color="grey", linestyle="--", linewidth=1)
-    itl.set(xscale="log", yscale="log", xlabel="open streams", ylabel="added ITL p99 (ms)")
-    rss.set(xscale="log", xlabel="open streams", ylabel="gateway RSS per open stream (KiB)")
     for axis in (itl, rss):
         axis.legend()
         axis.grid(True, alpha=0.3)

@@ -607,6 +607,14 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         note="its own serve run of a changed copy of configs/local.yaml; 20 slow clients",
         serves_8000=True,
     ),
+    "python -m loadtest.concurrency": quick(
+        "{python} -m loadtest.concurrency --quick --targets direct forge"
+        " --out {tmp}/concurrency.json",
+        timeout=420,
+        note="20 and 50 streams at 10 tokens/s, the bare mock and Forge through HAProxy "
+        "(serve_forge, on ports of its own); LiteLLM's side needs its own virtualenv "
+        "(loadtest.litellm_proxy), as the overhead's --side-by-side does",
+    ),
     "python -m loadtest.memory": quick(
         "{python} -m loadtest.memory --idle-s 2 --no-floor --check --out {tmp}/memory.json",
         timeout=420,

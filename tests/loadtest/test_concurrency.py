@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import math
 
-from loadtest.concurrency import StreamClock, StreamProtocol, Tally, knee, merge, percentile
+from loadtest.concurrency import (
+    StreamClock,
+    StreamProtocol,
+    Tally,
+    knee,
+    merge,
+    percentile,
+    rss_per_stream_kib,
+)
 from serve_app.engines.paced import ARRIVED, SENT, stamp
 
 
@@ -84,3 +92,8 @@ def test_the_knee_is_the_first_step_over_5_ms_or_with_an_error():
     assert knee([row(500, 1.0, errors=1), row(100, 1.0)]) == 500
     assert knee([row(100, 1.0), row(500, float("nan"), errors=3)]) == 500
     assert knee([row(100, 1.0), row(500, 5.0)]) is None  # 5 ms itself is within the bound
+
+
+def test_memory_per_stream_counts_the_streams_held_not_the_refused():
+    assert rss_per_stream_kib(200.0, 100.0, streams=1000, errors=0) == 102.4
+    assert rss_per_stream_kib(200.0, 100.0, streams=1000, errors=500) == 204.8
