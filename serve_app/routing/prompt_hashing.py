@@ -111,7 +111,7 @@ class VllmPromptHasher:
                     kwargs[name] = body[name]
             tools = body.get("tools")
             text = self.tokenizer.render_chat(
-                body["messages"], tools if isinstance(tools, list) else None, **kwargs
+                body["messages"], vllm_tools(tools) if isinstance(tools, list) else None, **kwargs
             )
             add_special = bool(body.get("add_special_tokens", False))
         else:
@@ -167,6 +167,27 @@ class VllmPromptHasher:
         return RouteRequest(
             hashes, prompt_tokens=len(ids), block_size=self.block_size, adapter=adapter
         )
+
+
+def vllm_tools(tools: list) -> list:
+    """Tool definitions as vLLM hands them to the chat template: its parsed model of each,
+    dumped (``tool.model_dump()``), so in its field order, an absent description or parameters
+    as None, and strict or defer_loading only when set. Templates print them (``tojson``), so
+    the same tools in another key order are other tokens."""
+    dumped = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict):
+            return tools  # vLLM refuses it: nothing to match
+        out = {k: function.get(k) for k in ("name", "description", "parameters")}
+        out.update(
+            {k: function[k] for k in ("strict", "defer_loading") if function.get(k) is not None}
+        )
+        entry = {"type": tool.get("type", "function"), "function": out}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
+        dumped.append(entry)
+    return dumped
 
 
 def for_pool(pool: Any) -> dict[str, Any]:

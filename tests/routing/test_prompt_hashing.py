@@ -14,6 +14,7 @@ from serve_app.routing.prompt_hashing import (
     SimulatedPromptHasher,
     build_prompt_hasher,
     for_pool,
+    vllm_tools,
 )
 
 BODY = {"prompt": "Forge routes each prompt to the replica that holds its prefix. " * 4}
@@ -67,3 +68,40 @@ def test_a_vllm_pool_whose_model_the_gateway_cannot_read_is_routed_by_load_alone
     # Not the simulator's hashes: they would never meet a vLLM replica's blocks.
     assert route.block_hashes == ()
     assert route.adapter == "support"
+
+
+def test_tools_are_shaped_as_vllm_dumps_them_for_the_template():
+    """As vLLM 0.32's ``ChatCompletionRequest`` parses and ``tool.model_dump()`` gives them."""
+    sent = [
+        {"type": "function", "function": {"name": "a"}},
+        {"type": "function", "function": {"name": "a", "strict": None}},
+        {"type": "function", "function": {"description": "x", "strict": True, "name": "a"}},
+        {"function": {"parameters": {"b": 1, "a": 2}, "name": "a"}, "type": "function"},
+        {"type": "function", "function": {"name": "a", "defer_loading": True}},
+    ]
+
+    assert vllm_tools(sent) == [
+        {"type": "function", "function": {"name": "a", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "a", "description": None, "parameters": None}},
+        {
+            "type": "function",
+            "function": {"name": "a", "description": "x", "parameters": None, "strict": True},
+        },
+        {
+            "type": "function",
+            "function": {"name": "a", "description": None, "parameters": {"b": 1, "a": 2}},
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "a",
+                "description": None,
+                "parameters": None,
+                "defer_loading": True,
+            },
+        },
+    ]
+    # Key order is what a template's tojson prints.
+    assert [list(t["function"]) for t in vllm_tools(sent[3:4])] == [
+        ["name", "description", "parameters"]
+    ]

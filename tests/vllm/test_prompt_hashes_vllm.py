@@ -2,10 +2,11 @@
 
 One real engine (the tiny model, prefix caching and KV events on, the tiny LoRA adapter)
 publishing through a real ``KvEventPublisher`` to a real ``KvIndex``, in this process and
-without Ray. For a chat and a completions request, each with and without the adapter, the
-router's ``VllmPromptHasher`` (the model directory's tokenizer and chat template, vLLM's block
-hashing reimplemented: ``serve_app/routing/prompt_hashing.py``) names exactly the blocks the
-engine stored for it, as its KV events announced them.
+without Ray. For a chat and a completions request, each with and without the adapter, and a
+chat with tools, the router's ``VllmPromptHasher`` (the model directory's tokenizer and chat
+template, vLLM's block hashing reimplemented: ``serve_app/routing/prompt_hashing.py``) names
+exactly the blocks the engine stored for it, as its KV events announced them, and the blocks
+it finds already announced are exactly vLLM's prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from serve_app.adapters import ADAPTER_KEY
 from serve_app.config.models import AdapterConfig, VLLMEngineConfig
 from serve_app.engines.vllm_engine import VLLMEngine
 from serve_app.kvcache.events import KvEventPublisher
+from serve_app.routing.kv_aware import matched_prefix_blocks
 from serve_app.routing.kv_index import KvIndex
 from serve_app.routing.prompt_hashing import VllmPromptHasher
 from serve_app.tools import tiny_adapter
@@ -85,6 +87,18 @@ def chat(topic: str) -> dict:
     }
 
 
+# Keys in another order than vLLM's model of a tool, no description: vLLM renders its dump.
+TOOLS = [
+    {
+        "function": {
+            "parameters": {"type": "object", "properties": {"port": {"type": "string"}}},
+            "name": "high_tide",
+        },
+        "type": "function",
+    }
+]
+
+
 def completion(topic: str) -> dict:
     return {"model": MODEL, "prompt": f"{SYSTEM} Now, about {topic}:", "max_tokens": 1}
 
@@ -94,10 +108,11 @@ def completion(topic: str) -> dict:
     [
         ("chat", chat("the lighthouse"), None),
         ("chat", chat("the lighthouse"), ADAPTER),
+        ("chat", {**chat("the tides"), "tools": TOOLS}, None),
         ("completion", completion("the quay"), None),
         ("completion", completion("the quay"), ADAPTER),
     ],
-    ids=["chat", "chat-lora", "completion", "completion-lora"],
+    ids=["chat", "chat-lora", "chat-tools", "completion", "completion-lora"],
 )
 async def test_the_routers_hashes_are_the_blocks_the_replica_announced(
     replica, kind, body, adapter
@@ -112,8 +127,12 @@ async def test_the_routers_hashes_are_the_blocks_the_replica_announced(
 
     assert usage.prompt_tokens == route.prompt_tokens, "the router tokenized as vLLM did"
     assert len(route.block_hashes) >= 3 and route.block_size == engine.block_size
-    assert usage.cached_tokens == 0, "a prompt no earlier case shares a block with"
-    expected = set(route.block_hashes)
+    # The tools turn starts with the system prompt an earlier chat cached: the router found
+    # exactly the blocks vLLM reused (none for the adapter's: its blocks are keyed apart).
+    hits = matched_prefix_blocks(route.block_hashes, before)
+    assert usage.cached_tokens == hits * engine.block_size
+    assert (hits > 0) == ("tools" in body)
+    expected = set(route.block_hashes) - before
     await eventually_async(
         lambda: set(index.blocks("r1")) - before == expected,
         timeout_s=5,
