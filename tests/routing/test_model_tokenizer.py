@@ -9,12 +9,17 @@ import json
 from pathlib import Path
 
 import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from serve_app.adapters import ADAPTER_KEY
+from serve_app.app import _replica_options
+from serve_app.bridge import reset_bridges
+from serve_app.config.models import PoolConfig
 from serve_app.kvcache.vllm_block_hashes import VllmBlockHasher, lora_extra_key
 from serve_app.routing.model_tokenizer import ModelTokenizer
 from serve_app.routing.prompt_hashing import PREFIX_CHARS, VllmPromptHasher
+from serve_app.routing.serve_router import ForgeRequestRouter
 
 TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
@@ -126,3 +131,26 @@ def test_token_id_prompts_are_hashed_as_given(model_dir):
 
     assert route.block_hashes == VllmBlockHasher().block_hashes(list(range(10)), 4)
     assert route.prompt_tokens == 10
+
+
+def test_a_vllm_pools_routers_are_built_with_its_models_hasher(model_dir):
+    """The app builder's router options for a vLLM pool give its routers vLLM's hashing."""
+    pool = PoolConfig.model_validate(
+        {
+            "model": "tiny",
+            "engine": {"kind": "vllm", "model": str(model_dir), "block_size": 4},
+            "routing": {"policy": "prefix_affinity"},
+        }
+    )
+    kwargs = _replica_options(pool)["request_router_config"].request_router_kwargs
+    router = ForgeRequestRouter(
+        deployment_id=DeploymentID(name="pool-primary", app_name="forge-test"),
+        handle_source=DeploymentHandleSource.REPLICA,
+    )
+    router.initialize_state(**kwargs)
+    reset_bridges()  # the router registered its pool's bridge: leave none behind
+    body = {"messages": chat("tell me about the tide")}
+
+    assert isinstance(router.hasher, VllmPromptHasher)
+    ids, _ = router.hasher.token_ids(body, "chat")
+    assert router.hasher.route(body, "chat").block_hashes == VllmBlockHasher().block_hashes(ids, 4)
