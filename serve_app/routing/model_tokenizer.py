@@ -14,10 +14,8 @@ entries, LRU). The result is the same token ids, which a test checks against the
 
 Limits, which only make a request miss the index (it is then routed by load), never misroute
 another: content parts are joined with newlines (vLLM's "string" content format; a template
-that iterates over parts is rendered differently by vLLM), and messages are rendered as the
-request gives them (vLLM parses an assistant's tool-call arguments into objects first), so a
-conversation's blocks may stop matching at its first tool call. Tool definitions are the
-caller's to shape as vLLM does (``prompt_hashing.vllm_tools``).
+that iterates over parts is rendered differently by vLLM). Messages and tool definitions are
+the caller's to shape as vLLM does (``prompt_hashing.vllm_messages`` and ``vllm_tools``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ builds the options in the app builder, ``build_prompt_hasher`` the hasher in eac
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Protocol
 
@@ -111,7 +112,9 @@ class VllmPromptHasher:
                     kwargs[name] = body[name]
             tools = body.get("tools")
             text = self.tokenizer.render_chat(
-                body["messages"], vllm_tools(tools) if isinstance(tools, list) else None, **kwargs
+                vllm_messages(body["messages"]),
+                vllm_tools(tools) if isinstance(tools, list) else None,
+                **kwargs,
             )
             add_special = bool(body.get("add_special_tokens", False))
         else:
@@ -167,6 +170,56 @@ class VllmPromptHasher:
         return RouteRequest(
             hashes, prompt_tokens=len(ids), block_size=self.block_size, adapter=adapter
         )
+
+
+_BILLING_HEADER = "x-anthropic-billing-header"  # vLLM strips it from system text
+
+
+def vllm_messages(messages: list) -> list[dict]:
+    """The messages as vLLM hands them to the chat template (its "string" content format):
+    content as one string (text parts joined by newlines, none as ""; a system part's Claude
+    Code billing header line dropped, as vLLM drops it), only the keys vLLM keeps, and an
+    assistant's tool-call arguments parsed into objects (``{}`` when empty or not an object).
+    Copies: the body itself goes on to the replica unchanged."""
+    out = []
+    for message in messages:
+        role, content = message["role"], message.get("content")
+        parts = [content] if isinstance(content, str) else content or []
+        texts = []
+        for part in parts:
+            text = part if isinstance(part, str) else part.get("text")
+            if not isinstance(part, str) and part.get("type") != "text":
+                continue
+            if role == "system" and isinstance(text, str) and text.startswith(_BILLING_HEADER):
+                text = text.partition("\n")[2]
+                if not text:
+                    continue
+            texts.append(text or "")
+        rendered: dict = {"role": role, "content": "\n".join(texts)}
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if calls:
+                rendered["tool_calls"] = [_vllm_tool_call(c) for c in calls]
+            if message.get("reasoning") is not None:
+                rendered["reasoning"] = rendered["reasoning_content"] = message["reasoning"]
+        elif role == "tool" and "tool_call_id" in message:
+            rendered["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            rendered["name"] = message["name"]
+        out.append(rendered)
+    return out
+
+
+def _vllm_tool_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    function["arguments"] = arguments if isinstance(arguments, dict) else {}
+    return {**call, "function": function}
 
 
 def vllm_tools(tools: list) -> list:

@@ -14,6 +14,7 @@ from serve_app.routing.prompt_hashing import (
     SimulatedPromptHasher,
     build_prompt_hasher,
     for_pool,
+    vllm_messages,
     vllm_tools,
 )
 
@@ -105,3 +106,40 @@ def test_tools_are_shaped_as_vllm_dumps_them_for_the_template():
     assert [list(t["function"]) for t in vllm_tools(sent[3:4])] == [
         ["name", "description", "parameters"]
     ]
+
+
+def test_messages_are_shaped_as_vllm_hands_them_to_the_template():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+    sent = [
+        {"role": "system", "content": "x-anthropic-billing-header: cch=1\nBe brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+        {"role": "tool", "tool_call_id": "c1", "content": "done", "name": "f"},
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {
+            "role": "assistant",
+            "tool_calls": [{**call, "function": {"name": "f", "arguments": "[1]"}}],
+        },
+    ]
+
+    assert vllm_messages(sent) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+            ],
+        },
+        {"role": "tool", "content": "done", "tool_call_id": "c1", "name": "f"},
+        {"role": "assistant", "content": ""},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
+            ],
+        },
+    ]
+    assert call["function"]["arguments"] == '{"a":1}', "the body itself is left as sent"

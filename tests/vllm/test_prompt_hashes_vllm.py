@@ -2,9 +2,10 @@
 
 One real engine (the tiny model, prefix caching and KV events on, the tiny LoRA adapter)
 publishing through a real ``KvEventPublisher`` to a real ``KvIndex``, in this process and
-without Ray. For a chat and a completions request, each with and without the adapter, and a
-chat with tools, the router's ``VllmPromptHasher`` (the model directory's tokenizer and chat
-template, vLLM's block hashing reimplemented: ``serve_app/routing/prompt_hashing.py``) names
+without Ray. For a chat and a completions request, each with and without the adapter, a chat
+with tools and an agent's turn after a tool call, the router's ``VllmPromptHasher`` (the model
+directory's tokenizer and chat template, vLLM's block hashing reimplemented:
+``serve_app/routing/prompt_hashing.py``) names
 exactly the blocks the engine stored for it, as its KV events announced them, and the blocks
 it finds already announced are exactly vLLM's prefix-cache hit.
 """
@@ -99,6 +100,27 @@ TOOLS = [
 ]
 
 
+def agent_turn() -> dict:
+    """An agent's second turn: its tool call (arguments as a compact JSON string, content None)
+    and the tool's long answer, after the system prompt and the tools. vLLM parses the
+    arguments into an object, which the template prints back with its own spacing."""
+    call = {"name": "high_tide", "arguments": '{"port":"Brest"}'}
+    return {
+        "model": MODEL,
+        "tools": TOOLS,
+        "messages": [
+            *chat("the high tide at Brest")["messages"],
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "06:12 and 18:37. " * 12},
+        ],
+        "max_tokens": 1,
+    }
+
+
 def completion(topic: str) -> dict:
     return {"model": MODEL, "prompt": f"{SYSTEM} Now, about {topic}:", "max_tokens": 1}
 
@@ -109,10 +131,11 @@ def completion(topic: str) -> dict:
         ("chat", chat("the lighthouse"), None),
         ("chat", chat("the lighthouse"), ADAPTER),
         ("chat", {**chat("the tides"), "tools": TOOLS}, None),
+        ("chat", agent_turn(), None),
         ("completion", completion("the quay"), None),
         ("completion", completion("the quay"), ADAPTER),
     ],
-    ids=["chat", "chat-lora", "chat-tools", "completion", "completion-lora"],
+    ids=["chat", "chat-lora", "chat-tools", "chat-tool-call", "completion", "completion-lora"],
 )
 async def test_the_routers_hashes_are_the_blocks_the_replica_announced(
     replica, kind, body, adapter
