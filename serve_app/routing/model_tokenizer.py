@@ -33,9 +33,15 @@ _CACHED_SEGMENT_CHARS = 256
 
 
 class ModelTokenizer:
-    """The model directory's tokenizer and chat template (see the module docstring)."""
+    """The model directory's tokenizer and chat template (see the module docstring).
 
-    def __init__(self, model_dir: str | Path, segment_cache: int = 1024) -> None:
+    ``chat_template``: the template the engine was told to use instead of the model's (vLLM's
+    ``--chat-template``: a file's path, or the template itself).
+    """
+
+    def __init__(
+        self, model_dir: str | Path, segment_cache: int = 1024, chat_template: str | None = None
+    ) -> None:
         from tokenizers import Tokenizer  # a vLLM pool's router only
 
         root = Path(model_dir)
@@ -49,6 +55,8 @@ class ModelTokenizer:
         source = (
             template_path.read_text() if template_path.exists() else config.get("chat_template")
         )
+        if chat_template is not None:
+            source = _template_source(chat_template)
         if isinstance(source, list):  # named templates: the default one
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         self.template = _compile(source) if isinstance(source, str) else None
@@ -112,6 +120,17 @@ class ModelTokenizer:
         if len(self._segments) > self.segment_cache:
             self._segments.popitem(last=False)
         return ids
+
+
+def _template_source(chat_template: str) -> str:
+    """vLLM's reading of ``--chat-template``: a file, else the template itself if it looks like
+    one (a bare name is one of vLLM's built-in templates, which the router does not have)."""
+    try:
+        return Path(chat_template).read_text()
+    except OSError:
+        if any(c in chat_template for c in "{}\n"):
+            return chat_template
+        raise ValueError(f"chat_template {chat_template!r}: no such file") from None
 
 
 def _string_content(message: dict) -> dict:

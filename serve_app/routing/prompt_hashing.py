@@ -77,6 +77,8 @@ class VllmPromptHasher:
     """vLLM's token ids and block hashes for a request (see the module docstring).
 
     ``adapters``: adapter name → the path its replicas load it from (part of vLLM's key).
+    ``chat_template`` and ``chat_template_kwargs``: the engine's ``--chat-template`` and
+    ``--default-chat-template-kwargs``, when the pool sets them.
     """
 
     keys_adapters = True
@@ -91,10 +93,14 @@ class VllmPromptHasher:
         algo: str = "sha256",
         seed: str | None = None,
         segment_cache: int = 1024,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> None:
         from serve_app.routing.model_tokenizer import ModelTokenizer
 
-        self.tokenizer = ModelTokenizer(model_dir, segment_cache)
+        self.tokenizer = ModelTokenizer(model_dir, segment_cache, chat_template)
+        # The engine's defaults (vLLM's --default-chat-template-kwargs), under the request's.
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.hasher: VllmBlockHasher | None = VllmBlockHasher(algo, seed)
         self._followed: tuple | None = None
         self.served_model = served_model
@@ -106,7 +112,7 @@ class VllmPromptHasher:
         """The prompt's token ids as vLLM will see them (as far as the router reads), and
         whether the text was cut."""
         if kind == "chat":
-            kwargs = dict(body.get("chat_template_kwargs") or {})
+            kwargs = {**self.chat_template_kwargs, **(body.get("chat_template_kwargs") or {})}
             for name in ("add_generation_prompt", "continue_final_message"):
                 if name in body:
                     kwargs[name] = body[name]
@@ -262,6 +268,8 @@ def for_pool(pool: Any) -> dict[str, Any]:
         "adapters": {a.name: a.path for a in pool.adapters},
         "algo": engine.engine_args.get("prefix_caching_hash_algo", "sha256"),
         "seed": env.get("PYTHONHASHSEED"),
+        "chat_template": engine.engine_args.get("chat_template"),
+        "chat_template_kwargs": engine.engine_args.get("default_chat_template_kwargs"),
     }
 
 

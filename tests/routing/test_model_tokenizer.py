@@ -18,7 +18,12 @@ from serve_app.bridge import reset_bridges
 from serve_app.config.models import PoolConfig
 from serve_app.kvcache.vllm_block_hashes import VllmBlockHasher, lora_extra_key
 from serve_app.routing.model_tokenizer import ModelTokenizer
-from serve_app.routing.prompt_hashing import PREFIX_CHARS, VllmPromptHasher
+from serve_app.routing.prompt_hashing import (
+    PREFIX_CHARS,
+    VllmPromptHasher,
+    build_prompt_hasher,
+    for_pool,
+)
 from serve_app.routing.serve_router import ForgeRequestRouter
 
 TEMPLATE = (
@@ -154,3 +159,28 @@ def test_a_vllm_pools_routers_are_built_with_its_models_hasher(model_dir):
     assert isinstance(router.hasher, VllmPromptHasher)
     ids, _ = router.hasher.token_ids(body, "chat")
     assert router.hasher.route(body, "chat").block_hashes == VllmBlockHasher().block_hashes(ids, 4)
+
+
+def test_the_engines_own_chat_template_and_its_default_kwargs_are_the_routers(model_dir):
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    pool = PoolConfig.model_validate(
+        {
+            "model": "tiny",
+            "engine": {
+                "kind": "vllm",
+                "model": str(model_dir),
+                "engine_args": {
+                    "chat_template": template,
+                    "default_chat_template_kwargs": {"greeting": "ahoy "},
+                },
+            },
+        }
+    )
+    prompts = build_prompt_hasher(for_pool(pool), block_size=4, route_blocks=128)
+    body = {"messages": [{"role": "user", "content": "tide"}]}
+
+    def rendered(body: dict) -> str:
+        return prompts.tokenizer.tokenizer.decode(prompts.token_ids(body, "chat")[0])
+
+    assert rendered(body) == "ahoy tide"
+    assert rendered({**body, "chat_template_kwargs": {"greeting": "hi "}}) == "hi tide"

@@ -56,6 +56,8 @@ def test_a_vllm_pool_hashes_with_its_models_directory_its_adapters_and_its_seed(
         "adapters": {"support": "/adapters/support"},
         "algo": "sha256_cbor",
         "seed": "7",  # where its replicas run: what their vLLM seeds its chain with
+        "chat_template": None,
+        "chat_template_kwargs": None,
     }
     assert for_pool(vllm_pool())["algo"] == "sha256"
 
