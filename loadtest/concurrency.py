@@ -39,7 +39,7 @@ the engine's, the client's and each core's busy share, so a reader can tell whic
 gateway's CPU is the limit):
 
 - the gateway's ``max_ongoing_requests`` (1,024 in ``serve_app/app.py``): past it Serve queues
-  new requests in front of the replica (HAProxy's ``maxconn`` per server follows it). Here the
+  new requests in front of the replica. Here the
   largest step plus 64 (``loadtest.serve_forge --max-streams``), as the pool replica's (by
   default twice ``max_num_seqs``) and the engine's ``max_num_seqs``;
 - fair admission's ``max_inflight`` and ``queue_cap`` and the tenant's
@@ -557,8 +557,8 @@ def run_step(target: Target, streams: int, settings: Settings) -> dict:
         )
     rss: list[float] = []
     while time.monotonic() < window[1]:
-        if target.gateway is not None:
-            rss.append(_rss_mib(target.gateway))
+        if target.gateway is not None and (mib := _rss_mib(target.gateway)) > 0:  # 0: it died
+            rss.append(mib)
         time.sleep(min(1.0, max(0.0, window[1] - time.monotonic())))
     cpu1 = {role: _cpu_of(pids) for role, pids in watched.items()}
     cores = _busy_pct(cores0, _core_times())
