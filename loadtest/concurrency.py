@@ -643,8 +643,12 @@ def run_target(name: str, settings: Settings) -> dict:
         warm(target, settings)
         rows = [run_step(target, n, settings) for n in settings.steps]
     finally:
+        died = target.gateway is not None and not Path(f"/proc/{target.gateway}").exists()
         target.server.stop()
-        shutil.rmtree(target.workdir, ignore_errors=True)
+        if died:  # LiteLLM's log is in it
+            print(f"{name}: the gateway process died; kept {target.workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(target.workdir, ignore_errors=True)
     return {
         "target": name,
         "idle_gateway_rss_mib": round(target.idle_rss_mib, 1),
