@@ -348,6 +348,15 @@ def _pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(task.name), cpus)
 
 
+def _alive(pid: int) -> bool:
+    """Running: not gone, and no zombie (LiteLLM's proxy is our child until it is reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def _cpu_of(pids: list[int]) -> float:
     _, cpu = overhead._proc_table()
     return sum(cpu.get(pid, 0.0) for pid in pids)
@@ -643,7 +652,7 @@ def run_target(name: str, settings: Settings) -> dict:
         warm(target, settings)
         rows = [run_step(target, n, settings) for n in settings.steps]
     finally:
-        died = target.gateway is not None and not Path(f"/proc/{target.gateway}").exists()
+        died = target.gateway is not None and not _alive(target.gateway)
         target.server.stop()
         if died:  # LiteLLM's log is in it
             print(f"{name}: the gateway process died; kept {target.workdir}", file=sys.stderr)
