@@ -63,9 +63,10 @@ class RequestContext:
     usage: dict | None = None
     first_byte_at: float | None = None
     frames_sent: int = 0  # SSE frames relayed: the usage estimate when a stream is abandoned
-    # The client left while an external backend (the fallback) was answering: it bills what it
-    # was sent, and no replica can say what that was, so the tenant is charged the estimate.
-    left_external: bool = False
+    # The client left while a backend was answering and nothing said what that cost (an
+    # external backend, which bills what it was sent; a replica that did not answer in time):
+    # the tenant is charged the gateway's estimate, flagged, rather than nothing.
+    left_uncounted: bool = False
     # Set by admission: gives the pool's slot back early (dispatch calls it on failover, when the
     # fallback, not the pool, is going to serve). Idempotent.
     release_slot: Callable[[], None] | None = None

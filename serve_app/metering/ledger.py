@@ -7,8 +7,9 @@ applied exactly once; the same record increments the Prometheus counters, so the
 dashboards cannot disagree. Tokens are the
 backends' own ``usage``: the engines' counts (an abandoned stream's too, collected from its
 replica), the fallback's, or the cached answer's for a hit. Only where no backend said (a
-fallback request the client left, streamed or not, a replica that died mid-stream) is the
-gateway's estimate used, and such requests are counted as ``estimated_requests``.
+fallback request the client left, streamed or not; a replica that died mid-stream or did not
+say in time what an abandoned request cost) is the gateway's estimate used, and such requests
+are counted as ``estimated_requests``.
 
 Rows: (tenant, day (UTC), model, counter) → count; tenants come from the config, so a report
 reads known tenants' rows only.
@@ -66,15 +67,16 @@ def error_class(status: int) -> str | None:
 def charged_tokens(ctx) -> tuple[int, int, bool]:
     """(prompt, completion, exact) a request is charged: the backend's (or the cached
     answer's) own ``usage``; without one, the prompt estimate plus the frames relayed, when
-    anything was or an external backend was answering when the client left; nothing for a
-    request refused or failed before its first byte."""
+    anything was or a backend was answering uncounted when the client left
+    (``RequestContext.left_uncounted``); nothing for a request refused or failed before its
+    first byte."""
     usage = ctx.usage
     if usage:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens") or 0
         if _count(prompt) is not None and _count(completion) is not None:
             return prompt, completion, True
         # an upstream's malformed usage: our own estimate instead
-    if ctx.first_byte_at is None and not ctx.left_external:
+    if ctx.first_byte_at is None and not ctx.left_uncounted:
         return 0, 0, True
     if ctx.prompt_estimate is None:
         ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)

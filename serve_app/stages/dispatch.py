@@ -339,17 +339,17 @@ async def _charge_abandoned(ctx: RequestContext, backend: Backend) -> None:
     """A request that ended before its usage came (a stream left mid-way; any request whose
     client left before the first byte, a non-streamed one mid-generation included): the
     replica aborted the generation, and the tenant is charged what its engine produced, not an
-    estimate and not nothing. Shielded: it runs as the request is being cancelled. An external
-    backend has no replica to ask: its request is charged the gateway's estimate, flagged."""
+    estimate and not nothing. Shielded: it runs as the request is being cancelled. Where nothing
+    can say (an external backend; a replica gone or too slow to answer), the request is charged
+    the gateway's estimate, flagged, not nothing."""
     if ctx.usage is not None or (backend.pool is not None and not ctx.replica):
         return  # answered, or no replica had it yet
     if ctx.backend == "none":  # left before the first byte: charged to the one answering
         ctx.backend = backend.name
         ctx.served_model = ctx.served_model or backend.served_model
-    if backend.pool is None:
-        ctx.left_external = True
-    else:
+    if backend.pool is not None:
         ctx.usage = await asyncio.shield(backend.pool.abandoned_usage(ctx.key, ctx.replica))
+    ctx.left_uncounted = ctx.usage is None
 
 
 def _with_retry(

@@ -109,3 +109,45 @@ async def test_a_non_streamed_request_the_fallback_was_answering_is_charged_an_e
     assert row.counts["estimated_requests"] == 1, row.counts
     assert row.counts["prompt_tokens"] > 0, row.counts
     assert row.counts.get("completion_tokens", 0) == 0, row.counts
+
+
+async def test_a_request_whose_replica_cannot_say_what_it_cost_is_charged_an_estimate(
+    monkeypatch,
+):
+    """A replica gone, or too slow to answer the question in time (a loaded machine): the
+    tenant is charged the gateway's estimate of the prompt, flagged, not nothing."""
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    args = forge_args()
+    args["pools"][0]["engine"] = {**FAST, "decode_base_s": 0.005}  # to cancel mid-generation
+    gateway = build_local_gateway(load_config(args), fallback_transport=mock_upstream())
+    pool = gateway.backends["primary"]
+
+    async def unanswered(request_id: str, replica_id: str) -> None:
+        return None  # what ``PoolBackend.abandoned_usage`` says when the replica is late
+
+    monkeypatch.setattr(pool, "abandoned_usage", unanswered)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me everything about gateways"}],
+        **LONG,
+    }
+    async with gateway.lifespan(), http(gateway) as client:
+        before = engine_totals(gateway)
+        sent = asyncio.create_task(
+            client.post(
+                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
+            )
+        )
+        await eventually_async(
+            lambda: engine_totals(gateway)["completion_tokens"] - before["completion_tokens"] >= 5,
+            timeout_s=10,
+            what="the engine to generate a few tokens of the request",
+        )
+        sent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+        await gateway.ledger.flush()
+        today = dt.datetime.now(dt.UTC).date()
+        (row,) = await gateway.ledger.read(["alpha"], today, today, by_day=False)
+    assert row.counts["estimated_requests"] == 1, row.counts
+    assert row.counts["prompt_tokens"] > 0, row.counts
