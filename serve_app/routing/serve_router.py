@@ -26,7 +26,7 @@ from serve_app.metrics import counter
 from serve_app.resilience.breaker import Admit, State
 from serve_app.routing.adapters import AdapterAffinity
 from serve_app.routing.base import ReplicaView, RouteRequest, RoutingPolicy
-from serve_app.routing.kv_aware import uncached_tokens
+from serve_app.routing.kv_aware import matched_prefix_blocks, uncached_tokens
 from serve_app.routing.kv_index import KvIndex
 from serve_app.routing.prompt_hashing import build_prompt_hasher
 from serve_app.routing.registry import KV_EVENT_POLICIES, build_policy
@@ -105,7 +105,19 @@ class ForgeRequestRouter(RequestRouter):
             "LoRA adapter requests sent where the adapter was not loaded (a load there).",
             *("pool", "policy"),
         )
-        for series in (self._routed, self._spillovers, self._adapter_placements):
+        # What the index expected each replica to find cached, beside vLLM's own count of what
+        # it found (vllm:prefix_cache_hits, per replica): how far the index is from the engines.
+        self._index_hit_tokens = counter(
+            "forge_route_index_hit_tokens_total",
+            "Prompt tokens the router's KV index expected the chosen replica to hold cached.",
+            *("pool", "policy", "target"),
+        )
+        for series in (
+            self._routed,
+            self._spillovers,
+            self._adapter_placements,
+            self._index_hit_tokens,
+        ):
             series.set_default_tags({"pool": pool, "policy": policy})
         self.route_blocks = route_blocks
         self._sync_waited: set[str] = set()  # replicas whose first snapshot a request awaited
@@ -224,10 +236,14 @@ class ForgeRequestRouter(RequestRouter):
         if self.index is not None and route is not None and request_id is not None:
             # Count it on the replica until its engine says it took it in, and remember its
             # blocks there: the next request with this prompt follows it.
-            uncached = uncached_tokens(route, self.index.holds(rid))
+            held = self.index.holds(rid)
+            uncached = uncached_tokens(route, held)
             # An adapter's blocks are cached under hashes keyed by its LoRA: unless the hasher
             # keys them so too (vLLM's), its prefill counts, its blocks are not remembered.
             keyed = route.adapter is None or self.hasher.keys_adapters
+            expected = matched_prefix_blocks(route.block_hashes, held) * route.block_size
+            if keyed and expected > 0:
+                self._index_hit_tokens.inc(expected, tags={"target": rid})
             blocks = route.block_hashes if keyed else ()
             self.index.assign(request_id, rid, uncached, blocks)
         if request_id is not None and request_id not in self.bridge.pinned:

@@ -385,6 +385,37 @@ async def test_kv_aware_remembers_where_it_sent_a_new_prompt_before_any_event(pu
     router.index.close()
 
 
+class _Counted:
+    """Stands in for a counter: what it was incremented by, and for which replica."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[float, dict]] = []
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        self.values.append((value, tags or {}))
+
+
+async def test_kv_aware_counts_the_cached_tokens_its_index_expected_on_the_chosen_replica(
+    publisher,
+):
+    """What vLLM's prefix-cache hits on that replica are compared with (loadtest.vllm_routing)."""
+    replicas = [Replica("a"), Replica("b")]
+    router = kv_router(replicas, publisher)
+    router._index_hit_tokens = expected = _Counted()
+    prompt = "5 the same prompt, sent twice to the same replica"
+    first = pending("req-1", prompt)
+    await ranked(router, replicas, first)
+    router.on_request_routed(first, replicas[1].replica_id, None)  # Serve sent it to "b"
+    assert expected.values == []  # nothing was cached anywhere
+
+    second = pending("req-2", prompt)
+    assert (await ranked(router, replicas, second))[0] == "b"
+    router.on_request_routed(second, replicas[1].replica_id, None)
+
+    assert expected.values == [(len(prompt_blocks(prompt)) * BLOCK_SIZE, {"target": "b"})]
+    router.index.close()
+
+
 # -- follow-up calls ---------------------------------------------------------------------------
 
 
