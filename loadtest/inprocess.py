@@ -64,11 +64,18 @@ def every_backend(backends: dict[str, bool]) -> bool:
     return all(backends.values())
 
 
-def start_forge(args: dict, *, reuse: bool = False) -> str:
+def start_forge(
+    args: dict,
+    *,
+    reuse: bool = False,
+    ready=lambda backends: True,
+    timeout_s: float = 60.0,
+) -> str:
     """Run Forge with these ``args``; returns the cheapest URL to drive it (direct ingress).
 
     ``reuse``: deploy into the Ray instance an earlier call started (drills that compare several
-    configs one after another).
+    configs one after another). ``ready`` and ``timeout_s``: as ``wait_ready``'s (a vLLM pool
+    needs its replicas up, which takes longer than the fallback).
     """
     import ray
     from ray import serve
@@ -80,7 +87,7 @@ def start_forge(args: dict, *, reuse: bool = False) -> str:
     if not (reuse and ray.is_initialized()):
         _port = _start_ray_and_proxy()
     serve.run(build_app(args), name=APP, route_prefix="/")
-    wait_ready(f"http://127.0.0.1:{_port}")
+    wait_ready(f"http://127.0.0.1:{_port}", ready, timeout_s)
     return replica_admin.direct_ingress_url(APP) or f"http://127.0.0.1:{_port}"
 
 
