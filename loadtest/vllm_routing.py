@@ -15,10 +15,11 @@ replica hold all of them, and their LRU evicts what the next turn needs.
 
 Each policy gets a fresh deployment (cold caches) in one Ray session and the same seeded request
 sequence; with ``--rounds 2`` (the default) the order is kv_aware, round robin, round robin,
-kv_aware, so a machine that gets busier or quieter during the run weighs on both alike. Per run: TTFT p50/p95
-through the gateway, and each replica's ``vllm:prefix_cache_queries`` and
+kv_aware, so a machine that gets busier or quieter during the run weighs on both alike. Per
+run: TTFT p50/p95 through the gateway, and each replica's ``vllm:prefix_cache_queries`` and
 ``vllm:prefix_cache_hits`` deltas (prompt tokens; vLLM's own counters, read from each replica
-through the replica admin: ``VLLMEngine.stats``), whose ratio is vLLM's prefix-cache hit rate.
+through the replica admin: ``VLLMEngine.stats``), whose ratio is vLLM's prefix-cache hit rate,
+beside the oracle's (``oracle_hit_rate``).
 For kv_aware, the index's agreement with vLLM: the tokens the router's KV index expected each
 replica to find cached (``forge_route_index_hit_tokens_total``, from Ray's metrics endpoint)
 against the hits that replica's vLLM counted.
