@@ -30,43 +30,62 @@ def engine_totals(gateway) -> dict[str, int]:
     }
 
 
+def slow_pool_gateway():
+    """The in-process gateway, its pool slow enough to cancel a request mid-generation."""
+    args = forge_args()
+    args["pools"][0]["engine"] = {**FAST, "decode_base_s": 0.005}
+    return build_local_gateway(load_config(args), fallback_transport=mock_upstream())
+
+
+def long_answer(model: str = MODEL) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me everything about gateways"}],
+        **LONG,
+    }
+
+
+async def leave_mid_generation(gateway, client, body: dict, started) -> None:
+    """Send ``body`` and leave once ``started()`` holds, as Serve cancels a left request."""
+    sent = asyncio.create_task(
+        client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+    )
+    await eventually_async(started, timeout_s=10, what="the generation to be under way")
+    assert not sent.done()
+    sent.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sent
+
+
+async def alpha_today(gateway):
+    """Alpha's row in the ledger today, every record written."""
+    await gateway.ledger.flush()
+    today = dt.datetime.now(dt.UTC).date()
+    (row,) = await gateway.ledger.read(["alpha"], today, today, by_day=False)
+    return row
+
+
 async def test_a_non_streamed_request_cancelled_mid_generation_is_charged_the_engines_count(
     monkeypatch,
 ):
     """It was charged nothing, though the engine had spent a prompt and some tokens on it (a
     stream left mid-way was already charged exactly: ``test_metering`` end to end)."""
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
-    args = forge_args()
-    args["pools"][0]["engine"] = {**FAST, "decode_base_s": 0.005}  # to cancel mid-generation
-    gateway = build_local_gateway(load_config(args), fallback_transport=mock_upstream())
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Tell me everything about gateways"}],
-        **LONG,
-    }
+    gateway = slow_pool_gateway()
     async with gateway.lifespan(), http(gateway) as client:
         before = engine_totals(gateway)
-        sent = asyncio.create_task(
-            client.post(
-                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
-            )
-        )
-        await eventually_async(
+        await leave_mid_generation(
+            gateway,
+            client,
+            long_answer(),
             lambda: engine_totals(gateway)["completion_tokens"] - before["completion_tokens"] >= 5,
-            timeout_s=10,
-            what="the engine to generate a few tokens of the request",
         )
-        sent.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sent
         await eventually_async(
             lambda: engine_totals(gateway)["running"] == 0,
             timeout_s=5,
             what="the engine to have aborted the generation",
         )
-        await gateway.ledger.flush()
-        today = dt.datetime.now(dt.UTC).date()
-        (row,) = await gateway.ledger.read(["alpha"], today, today, by_day=False)
+        row = await alpha_today(gateway)
         after = engine_totals(gateway)
     spent = {k: after[k] - before[k] for k in ("prompt_tokens", "completion_tokens")}
     assert 5 <= spent["completion_tokens"] < 2000
@@ -86,25 +105,14 @@ async def test_a_non_streamed_request_the_fallback_was_answering_is_charged_an_e
     slow = {**FAST, "decode_base_s": 0.005, "output_tokens_min": 2000, "output_tokens_max": 2000}
     upstream = httpx.ASGITransport(create_mock_app("mock-gemini", slow, api_key=UPSTREAM_KEY))
     gateway = build_local_gateway(load_config(forge_args()), fallback_transport=upstream)
-    body = {
-        "model": "mock-gemini",
-        "messages": [{"role": "user", "content": "Tell me everything about gateways"}],
-        **LONG,
-    }
     async with gateway.lifespan(), http(gateway) as client:
-        sent = asyncio.create_task(
-            client.post(
-                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
-            )
+        # Well into its 2,000 tokens of 5 ms each: no replica to watch, so a while.
+        clock = asyncio.get_running_loop().time
+        started = clock()
+        await leave_mid_generation(
+            gateway, client, long_answer("mock-gemini"), lambda: clock() - started >= 0.3
         )
-        await asyncio.sleep(0.3)
-        assert not sent.done()
-        sent.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sent
-        await gateway.ledger.flush()
-        today = dt.datetime.now(dt.UTC).date()
-        (row,) = await gateway.ledger.read(["alpha"], today, today, by_day=False)
+        row = await alpha_today(gateway)
     assert row.counts["fallback_requests"] == 1, row.counts
     assert row.counts["estimated_requests"] == 1, row.counts
     assert row.counts["prompt_tokens"] > 0, row.counts
@@ -117,37 +125,21 @@ async def test_a_request_whose_replica_cannot_say_what_it_cost_is_charged_an_est
     """A replica gone, or too slow to answer the question in time (a loaded machine): the
     tenant is charged the gateway's estimate of the prompt, flagged, not nothing."""
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
-    args = forge_args()
-    args["pools"][0]["engine"] = {**FAST, "decode_base_s": 0.005}  # to cancel mid-generation
-    gateway = build_local_gateway(load_config(args), fallback_transport=mock_upstream())
+    gateway = slow_pool_gateway()
     pool = gateway.backends["primary"]
 
     async def unanswered(request_id: str, replica_id: str) -> None:
         return None  # what ``PoolBackend.abandoned_usage`` says when the replica is late
 
     monkeypatch.setattr(pool, "abandoned_usage", unanswered)
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Tell me everything about gateways"}],
-        **LONG,
-    }
     async with gateway.lifespan(), http(gateway) as client:
         before = engine_totals(gateway)
-        sent = asyncio.create_task(
-            client.post(
-                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
-            )
-        )
-        await eventually_async(
+        await leave_mid_generation(
+            gateway,
+            client,
+            long_answer(),
             lambda: engine_totals(gateway)["completion_tokens"] - before["completion_tokens"] >= 5,
-            timeout_s=10,
-            what="the engine to generate a few tokens of the request",
         )
-        sent.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sent
-        await gateway.ledger.flush()
-        today = dt.datetime.now(dt.UTC).date()
-        (row,) = await gateway.ledger.read(["alpha"], today, today, by_day=False)
+        row = await alpha_today(gateway)
     assert row.counts["estimated_requests"] == 1, row.counts
     assert row.counts["prompt_tokens"] > 0, row.counts
