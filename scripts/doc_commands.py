@@ -917,6 +917,14 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         note="the tiny model's tokenizer through the tokenizers package, which the vLLM "
         "virtualenv has",
     ),
+    "python -m loadtest.vllm_routing": quick(
+        "{vllm_python} -m loadtest.vllm_routing --model {tiny_model} --quick"
+        " --out {tmp}/vllm-routing.json",
+        timeout=600,
+        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        group="vllm",
+        note="both policies on two replicas, a few requests each: most of it is vLLM starting",
+    ),
     "python -m vllm.entrypoints.openai.api_server": Elsewhere(
         "vLLM's own server: loadtest.vllm_overhead starts it, with these arguments, beside Forge",
         by="python -m loadtest.vllm_overhead",
