@@ -45,7 +45,7 @@ def long_answer(model: str = MODEL) -> dict:
     }
 
 
-async def leave_mid_generation(gateway, client, body: dict, started) -> None:
+async def leave_mid_generation(client, body: dict, started) -> None:
     """Send ``body`` and leave once ``started()`` holds, as Serve cancels a left request."""
     sent = asyncio.create_task(
         client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
@@ -55,6 +55,18 @@ async def leave_mid_generation(gateway, client, body: dict, started) -> None:
     sent.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sent
+
+
+async def leave_a_pool_request(gateway, client) -> dict[str, int]:
+    """``long_answer`` to the pool, left once its engine generated a few tokens; returns the
+    engines' totals from before it."""
+    before = engine_totals(gateway)
+
+    def generating() -> bool:
+        return engine_totals(gateway)["completion_tokens"] - before["completion_tokens"] >= 5
+
+    await leave_mid_generation(client, long_answer(), generating)
+    return before
 
 
 async def alpha_today(gateway):
@@ -73,13 +85,7 @@ async def test_a_non_streamed_request_cancelled_mid_generation_is_charged_the_en
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
     gateway = slow_pool_gateway()
     async with gateway.lifespan(), http(gateway) as client:
-        before = engine_totals(gateway)
-        await leave_mid_generation(
-            gateway,
-            client,
-            long_answer(),
-            lambda: engine_totals(gateway)["completion_tokens"] - before["completion_tokens"] >= 5,
-        )
+        before = await leave_a_pool_request(gateway, client)
         await eventually_async(
             lambda: engine_totals(gateway)["running"] == 0,
             timeout_s=5,
@@ -110,7 +116,7 @@ async def test_a_non_streamed_request_the_fallback_was_answering_is_charged_an_e
         clock = asyncio.get_running_loop().time
         started = clock()
         await leave_mid_generation(
-            gateway, client, long_answer("mock-gemini"), lambda: clock() - started >= 0.3
+            client, long_answer("mock-gemini"), lambda: clock() - started >= 0.3
         )
         row = await alpha_today(gateway)
     assert row.counts["fallback_requests"] == 1, row.counts
@@ -133,13 +139,7 @@ async def test_a_request_whose_replica_cannot_say_what_it_cost_is_charged_an_est
 
     monkeypatch.setattr(pool, "abandoned_usage", unanswered)
     async with gateway.lifespan(), http(gateway) as client:
-        before = engine_totals(gateway)
-        await leave_mid_generation(
-            gateway,
-            client,
-            long_answer(),
-            lambda: engine_totals(gateway)["completion_tokens"] - before["completion_tokens"] >= 5,
-        )
+        await leave_a_pool_request(gateway, client)
         row = await alpha_today(gateway)
     assert row.counts["estimated_requests"] == 1, row.counts
     assert row.counts["prompt_tokens"] > 0, row.counts
