@@ -2,9 +2,11 @@
 
     python -m loadtest.fairness [--duration 20] [--out loadtest/results/fairness.json]
 
-Writes the per-tenant table (served, p50, p95, errors, beside the light tenant's solo baseline)
-as JSON, and a PNG (``docs/img/fairness.png``) of queue depth and latency per tenant over time.
-The flood backs off 0.5 s after a 429, as the OpenAI SDK does, and ignores Retry-After.
+Writes the per-tenant table (served, p50, p95, errors, beside the light tenant's solo baseline),
+the CPU the gateway and the scheduler replicas spent per request during the flood (served and
+refused: what shedding costs, read from each process's ``/proc/<pid>/stat``) as JSON, and a
+PNG (``docs/img/fairness.png``) of queue depth and latency per tenant over time. The flood
+backs off 0.5 s after a 429, as the OpenAI SDK does, and ignores Retry-After.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -77,6 +80,23 @@ async def sample_queues(stop: asyncio.Event, out: list[dict], started: float) ->
         await asyncio.sleep(0.25)
 
 
+def replica_pid(deployment: str) -> int:
+    """The process of the one replica of ``deployment`` in the drill's application."""
+    import ray
+
+    from serve_app.replica import admin as replica_admin
+
+    (rid,) = replica_admin.replica_ids(APP, deployment)
+    actor = ray.get_actor(f"{replica_admin._PREFIX}{APP}#{deployment}#{rid}", namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU a process has spent (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def summarize(run: RunResult) -> dict:
     s = run.summary()
     return {
@@ -98,6 +118,11 @@ async def drill(url: str, duration: float) -> dict:
         duration_s=duration / 2,
         api_key=key("light"),
     )
+    pids = {
+        role: replica_pid(f"{role}-primary" if role == "scheduler" else role)
+        for role in ("gateway", "scheduler")
+    }
+    cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
     started = time.perf_counter()
     stop = asyncio.Event()
     queues: list[dict] = []
@@ -118,7 +143,12 @@ async def drill(url: str, duration: float) -> dict:
     stop.set()
     await sampler
     contended = dict(zip(TENANTS, runs, strict=True))
+    requests = sum(len(r.samples) for r in runs)
     return {
+        "cpu_ms_per_request": {
+            role: round((cpu_seconds(pid) - cpu0[role]) * 1000 / max(1, requests), 2)
+            for role, pid in pids.items()
+        },
         "solo_light": summarize(solo),
         "tenants": {t: summarize(r) for t, r in contended.items()},
         "timeline": {
@@ -166,7 +196,8 @@ def main() -> None:
     plot(result, Path(args.plot))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({"solo_light": result["solo_light"], "tenants": result["tenants"]}, indent=1))
+    shown = ("solo_light", "tenants", "cpu_ms_per_request")
+    print(json.dumps({k: result[k] for k in shown}, indent=1))
 
 
 if __name__ == "__main__":
