@@ -2,7 +2,8 @@
 
 What crosses it: an ``acquire`` (which may wait in the tenant's queue), and ``SlotOp``s, the
 gateway's notes on slots it already holds (claim a parked slot for a tenant, park a finished
-one, release one), applied in order, riding on the next acquire or sent alone by ``sync``.
+one, release one, renew the lease of one in use), applied in order, riding on the next acquire
+or sent alone by ``sync``: a gateway's renewals of all its requests' leases are one ``sync``.
 Every answer says whether the pool is contended, so holders of parked slots know to give them
 back; ``until_contended`` pushes that news. ``admission/warm_slots.py`` decides what to send.
 
@@ -23,8 +24,9 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.admission.scheduler import FairScheduler, SchedulerSnapshot, Shed, TenantShare
 from serve_app.config.models import AdmissionConfig, TenantConfig
 
-# ("claim", lease_id, tenant, tier) | ("park", lease_id) | ("release", lease_id): plain tuples,
-# because they cross a Serve handle on the request path and pickle small.
+# ("claim", lease_id, tenant, tier) | ("park", lease_id) | ("release", lease_id)
+# | ("renew", lease_id, tenant, tier): plain tuples, because they cross a Serve handle on the
+# request path and pickle small.
 SlotOp = tuple[str, ...]
 
 
@@ -38,7 +40,8 @@ class Lease:
 @dataclass(frozen=True, slots=True)
 class SyncReply:
     contended: bool
-    lost: tuple[str, ...] = ()  # leases in the ops the scheduler no longer knows
+    # Leases in the ops the scheduler no longer knows (a renewal: it was released, so it stays so)
+    lost: tuple[str, ...] = ()
 
 
 class Unconfigured(RuntimeError):
@@ -74,11 +77,6 @@ class SchedulerClient(Protocol):
         """Return once someone is queued for a slot."""
         ...
 
-    async def renew(self, lease_id: str, tenant: str, tier: str) -> bool:
-        """Keep a live request's lease, ``tenant``'s at ``tier``: a scheduler that does not know
-        it (restarted) takes it back; False if it was released."""
-        ...
-
     async def snapshot(self) -> dict:
         """The pool's slots now (``admission_view``), for ``GET /admin/status``."""
         ...
@@ -102,7 +100,8 @@ def admission_view(snap: SchedulerSnapshot) -> dict:
 
 def apply_ops(scheduler: FairScheduler, ops: Sequence[SlotOp]) -> SyncReply:
     """Apply a gateway's slot ops in the order it made them (a claim may follow the park of
-    the same slot)."""
+    the same slot). A renewal of a lease the scheduler does not know takes it back as the
+    named tenant's (``FairScheduler.renew``), unless it was released."""
     lost: list[str] = []
     for op in ops:
         kind, lease_id = op[0], op[1]
@@ -112,6 +111,8 @@ def apply_ops(scheduler: FairScheduler, ops: Sequence[SlotOp]) -> SyncReply:
             known = scheduler.park(lease_id)
         elif kind == "release":
             known = scheduler.release(lease_id)
+        elif kind == "renew":
+            known = scheduler.renew(lease_id, tenant=op[2], tier=op[3]) is not None  # type: ignore[arg-type]
         else:
             raise ValueError(f"unknown slot op {kind!r}")
         if not known and kind != "release":
@@ -145,11 +146,6 @@ class LocalSchedulerClient:
 
     async def until_contended(self) -> None:
         await self.scheduler.until_contended()
-
-    async def renew(
-        self, lease_id: str, tenant: str | None = None, tier: str = "interactive"
-    ) -> bool:
-        return self.scheduler.renew(lease_id, tenant=tenant, tier=tier) is not None  # type: ignore[arg-type]
 
     async def snapshot(self) -> dict:
         return admission_view(self.scheduler.snapshot())
@@ -202,9 +198,6 @@ class ServeSchedulerClient:
 
     async def until_contended(self) -> None:
         await self._handle.until_contended.remote()
-
-    async def renew(self, lease_id: str, tenant: str, tier: str) -> bool:
-        return await self._call("renew", lease_id, tenant, tier)
 
     async def snapshot(self) -> dict:
         return await self._call("snapshot")

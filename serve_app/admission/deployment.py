@@ -6,8 +6,9 @@ with the application (a redeploy replaces it, Serve restarts it if its health ch
 shows in the Serve dashboard next to the pool it guards, and the gateway reaches it through an
 ordinary handle wired in the app builder. Slot state is in memory on purpose: after a restart,
 every lease is gone, and the gateways' renewals bring the live ones back within a third of a
-lease's TTL (``FairScheduler.renew``). In the control application (``serve_app.app:build_control``)
-a change to the gateway's application replaces neither it nor its leases.
+lease's TTL (each gateway replica renews all its leases in one ``sync``; ``FairScheduler.renew``).
+In the control application (``serve_app.app:build_control``) a change to the gateway's
+application replaces neither it nor its leases.
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ class SchedulerDeployment:
     async def renew(
         self, lease_id: str, tenant: str | None = None, tier: str = "interactive"
     ) -> bool:
-        return await self._ready().renew(lease_id, tenant, tier)
+        """One lease's renewal, as gateways before the batched one (a ``"renew"`` op in
+        ``sync``) sent it: kept so they still renew against this scheduler while they drain."""
+        scheduler = self._ready().scheduler
+        return scheduler.renew(lease_id, tenant=tenant, tier=tier) is not None  # type: ignore[arg-type]
 
     async def configure(self, admission: dict, tenants: list[dict]) -> bool:
         """A live change from the gateway (each gateway replica sends the same one, and sends

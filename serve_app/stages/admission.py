@@ -3,15 +3,15 @@
 A slot parked on this gateway replica is taken at once when nobody is queued (no call at all);
 otherwise one scheduler call acquires one (it may wait in the tenant's queue up to the deadline).
 ``admission/warm_slots.py`` keeps the parked slots and batches what the scheduler must hear. The
-slot is released on every exit path. A long generation renews its lease so the scheduler does not
-reclaim a live slot. If the scheduler cannot be reached the request is admitted (fail open) and
-counted: admission protects latency, it must never become the outage.
+slot is released on every exit path. A long generation's lease is renewed so the scheduler does
+not reclaim a live slot: by ``WarmSlots``, for all of this replica's requests in one call a
+period. If the scheduler cannot be reached the request is admitted (fail open) and counted:
+admission protects latency, it must never become the outage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -43,8 +43,8 @@ class AdmissionStage:
         lifetimes: Mapping[str, float] | None = None,
     ) -> None:
         """``lifetimes``: model → how long a request may hold its slot at most (its total
-        deadline and then some): a renewer is never outlived by nothing, even if the response's
-        end is somehow never seen."""
+        deadline and then some): its lease's renewals stop then, even if the response's end is
+        somehow never seen."""
         self.slots = slots  # model name → its pool's slots, as this gateway replica sees them
         self.deadlines = deadlines
         self.lifetimes = lifetimes or {}
@@ -71,15 +71,13 @@ class AdmissionStage:
             return await call_next(ctx)
 
         self.metrics.admitted.inc(tags={"tenant": tenant})
-        life = self.lifetimes.get(ctx.pool_model, MAX_REQUEST_LIFE_S)
-        renewer = _KeepAlive(slots, lease, (tenant, tier), life)
+        slots.keep_alive(lease.lease_id, self.lifetimes.get(ctx.pool_model, MAX_REQUEST_LIFE_S))
         released = False
 
         def release(completed: bool = True) -> None:
             nonlocal released
-            if not released:
+            if not released:  # once: a parked slot's lease id may be lent again
                 released = True
-                renewer.cancel()
                 slots.release(lease.lease_id)
 
         ctx.release_slot = release
@@ -165,35 +163,3 @@ def _spills_to(target: Target | None) -> int | None:
         if "overload" in step.on and step.backend not in target.excluded:
             return i
     return None
-
-
-class _KeepAlive:
-    """Renews a held lease every third of its TTL while the request runs, for ``max_life_s`` at
-    most (then the lease lapses on its own: the scheduler reclaims it): a timer rather than a
-    task per request, since nearly every request ends long before its first renewal."""
-
-    def __init__(
-        self, slots: WarmSlots, lease: Lease, holder: tuple[str, str], max_life_s: float = 0.0
-    ) -> None:
-        self.slots = slots
-        self.lease = lease
-        self.holder = holder  # (tenant, tier): a restarted scheduler takes the lease back
-        self.period_s = max(0.1, lease.ttl_s / 3)
-        self._loop = asyncio.get_running_loop()
-        self._until = self._loop.time() + (max_life_s or MAX_REQUEST_LIFE_S)
-        self._timer = self._loop.call_later(self.period_s, self._renew)
-        self._task: asyncio.Task | None = None
-
-    def _renew(self) -> None:
-        self._task = self._loop.create_task(self._send())
-        if self._loop.time() + self.period_s < self._until:
-            self._timer = self._loop.call_later(self.period_s, self._renew)
-
-    async def _send(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.slots.renew(self.lease.lease_id, *self.holder)
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()

@@ -1,5 +1,6 @@
 """A control application's scheduler: it starts with no settings and takes the gateways'; the
-gateway side sends them when it meets one that has none, and its leases come back on renewal.
+gateway side sends them when it meets one that has none, and its leases come back on renewal
+(one batched ``sync`` for all of a gateway replica's leases).
 
 The deployment class is driven through a stand-in for its Serve handle that calls it in this
 process (what crosses is pickled, as a handle would), so what is tested is the seam the gateway
@@ -16,6 +17,7 @@ import pytest
 from serve_app.admission.client import ServeSchedulerClient, Unconfigured
 from serve_app.admission.deployment import SchedulerDeployment
 from serve_app.admission.scheduler import Shed
+from serve_app.admission.warm_slots import WarmSlots
 
 ADMISSION = {"max_inflight": 1, "deadline_s": 0.2, "keep_warm_s": 0}
 TENANTS = [{"name": "alpha", "key_hashes": ["a" * 64]}]
@@ -25,13 +27,15 @@ class InProcessHandle:
     """``handle.method.remote(*args)`` on an object here, arguments and errors pickled."""
 
     def __init__(self, target: object) -> None:
-        self._target = target
+        self.target = target  # swapped for a new one: the scheduler restarted
+        self.called: list[str] = []
 
     def __getattr__(self, method: str):
-        target = self._target
+        target, called = self.target, self.called
 
         class _Method:
             async def remote(self, *args):
+                called.append(method)
                 try:
                     result = getattr(target, method)(*pickle.loads(pickle.dumps(args)))
                     if hasattr(result, "__await__"):
@@ -59,7 +63,8 @@ async def test_an_unconfigured_scheduler_is_sent_the_settings_by_its_first_calle
     assert asked == ["settings"]
     snapshot = await scheduler.snapshot()
     assert snapshot["slots_total"] == 1 and snapshot["slots_used"] == 1
-    assert await client.renew(lease.lease_id, "alpha", "interactive") is True
+    renewal = await client.sync([("renew", lease.lease_id, "alpha", "interactive")])
+    assert renewal.lost == ()
     assert asked == ["settings"], "a configured scheduler is not sent them again"
 
 
@@ -69,18 +74,27 @@ async def test_a_client_without_settings_lets_unconfigured_through():
         await client.acquire("alpha", None)
 
 
-async def test_a_restarted_scheduler_learns_a_live_lease_from_its_renewal():
-    old = ServeSchedulerClient(InProcessHandle(SchedulerDeployment("primary", ADMISSION, TENANTS)))
-    lease = await old.acquire("alpha", None)
+async def test_a_restarted_scheduler_learns_every_live_lease_from_one_batched_renewal():
+    handle = InProcessHandle(
+        SchedulerDeployment("primary", ADMISSION | {"max_inflight": 3}, TENANTS)
+    )
+    settings = (ADMISSION | {"max_inflight": 3}, TENANTS)
+    gateway = WarmSlots(ServeSchedulerClient(handle, lambda: settings), tenant_cap=3, keep_warm_s=0)
+    leases = [await gateway.acquire("alpha", tier) for tier in ("interactive", "batch", "batch")]
+    for lease in leases:
+        gateway.keep_alive(lease.lease_id, max_life_s=300)
+    gateway.release(leases[0].lease_id)  # ended before the restart; its release not yet sent
 
-    restarted = SchedulerDeployment("primary")
-    client = ServeSchedulerClient(InProcessHandle(restarted), lambda: (ADMISSION, TENANTS))
-    assert await client.renew(lease.lease_id, "alpha", "batch") is True
+    restarted = SchedulerDeployment("primary")  # knows no lease, and no settings yet
+    handle.target, handle.called = restarted, []
+    await gateway.renew_now()
+    assert handle.called == ["sync", "configure", "sync"], "one batch (sent again once set up)"
     snapshot = await restarted.snapshot()
-    assert snapshot["slots_used"] == 1 and snapshot["inflight"] == {"alpha": 1}
-    assert snapshot["adopted_leases"] == 1
-    with pytest.raises(Shed) as shed:  # the budget is held: a newcomer waits, and is refused
-        await client.acquire("alpha", None)
+    assert snapshot["slots_used"] == 2 and snapshot["inflight"] == {"alpha": 2}
+    assert snapshot["adopted_leases"] == 2, "the live ones; the released one stays released"
+    with pytest.raises(Shed) as shed:  # one slot free: a newcomer takes it, the next waits
+        await gateway.acquire("alpha", "interactive")
+        await gateway.acquire("alpha", "interactive")
     assert shed.value.reason == "deadline"
 
 
@@ -93,7 +107,7 @@ def test_every_method_a_handle_calls_runs_on_the_replicas_event_loop():
         for name, method in inspect.getmembers(SchedulerDeployment, inspect.isfunction)
         if not name.startswith("_")
     ]
-    assert {"acquire", "sync", "renew", "snapshot"} <= set(called)
+    assert {"acquire", "sync", "renew", "snapshot"} <= set(called)  # renew: earlier gateways
     plain = [
         name
         for name in called

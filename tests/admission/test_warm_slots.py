@@ -11,6 +11,7 @@ from serve_app.admission import warm_slots
 from serve_app.admission.client import LocalSchedulerClient, SyncReply
 from serve_app.admission.scheduler import FairScheduler, Shed, TenantShare
 from serve_app.admission.warm_slots import WarmSlots
+from tests.doubles import Clock
 from tests.polling import eventually_async
 
 
@@ -233,3 +234,65 @@ async def test_a_tenant_refused_for_a_full_queue_is_refused_here_while_the_queue
     for task in (queued, light):
         task.cancel()
     await asyncio.gather(queued, light, return_exceptions=True)
+
+
+class CountsSyncs(LocalSchedulerClient):
+    """The in-process scheduler, recording each ``sync`` message (one per renewal batch)."""
+
+    def __init__(self, scheduler: FairScheduler) -> None:
+        super().__init__(scheduler, deadline_s=5)
+        self.synced: list[list] = []
+
+    async def sync(self, ops):
+        self.synced.append(list(ops))
+        return await super().sync(ops)
+
+
+def on_one_clock(max_inflight: int = 4, lease_ttl_s: float = 30.0):
+    """A scheduler and a gateway replica on one hand-driven clock (renewals sent by hand)."""
+    clock = Clock(1000.0)
+    scheduler = FairScheduler(
+        max_inflight,
+        default_tenant=TenantShare(queue_cap=4),
+        lease_ttl_s=lease_ttl_s,
+        clock=clock,
+    )
+    client = CountsSyncs(scheduler)
+    return clock, client, WarmSlots(client, tenant_cap=4, keep_warm_s=0, clock=clock)
+
+
+async def test_long_generations_keep_their_leases_with_one_call_a_period_then_lapse():
+    clock, client, gateway = on_one_clock(lease_ttl_s=30)
+    leases = [await admit(gateway, tenant) for tenant in "abc"]
+    for lease in leases:
+        gateway.keep_alive(lease.lease_id, max_life_s=300)
+    for _ in range(25):  # 250 s: eight TTLs
+        clock.advance(10)
+        await gateway.renew_now()
+        assert client.scheduler.expire_leases() == 0
+    assert client.scheduler.slots_used == 3
+    assert len(client.synced) == 25, "one message a period for all three leases"
+    assert {op[0] for ops in client.synced for op in ops} == {"renew"}
+
+    clock.advance(60)  # past their longest life: no longer renewed, they lapse
+    await gateway.renew_now()
+    assert gateway.kept_alive == 0 and len(client.synced) == 25
+    clock.advance(30)
+    assert client.scheduler.expire_leases() == 3
+
+
+async def test_a_renewal_never_revives_a_released_lease():
+    clock, client, gateway = on_one_clock()
+    done, crossed, running = [await admit(gateway) for _ in range(3)]
+    for lease in (done, crossed, running):
+        gateway.keep_alive(lease.lease_id, max_life_s=300)
+    gateway.release(done.lease_id)  # its release waits for a message: it rides on the renewal
+    client.scheduler.release(crossed.lease_id)  # released there before this renewal arrived
+    clock.advance(10)
+    await gateway.renew_now()
+    (batch,) = client.synced
+    assert ("release", done.lease_id) in batch
+    assert {op[1] for op in batch if op[0] == "renew"} == {crossed.lease_id, running.lease_id}
+    assert client.scheduler.slots_used == 1, "only the running request's lease is held"
+    gateway.release(crossed.lease_id)
+    gateway.release(running.lease_id)

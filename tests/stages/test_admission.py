@@ -15,7 +15,7 @@ from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.stages.admission import AdmissionStage
-from tests.doubles import RecordingMetrics
+from tests.doubles import Clock, RecordingMetrics
 from tests.polling import eventually_async
 
 MODEL = "forge-sim"
@@ -174,3 +174,31 @@ async def test_ops_riding_on_a_failed_acquire_are_not_lost(monkeypatch):
     ops = [call[2] for call in scheduler.acquired]
     assert ops == [[], [("release", first)], [("release", first)]], "sent again after the blip"
     assert scheduler.slots_used == 1
+
+
+async def test_a_long_stream_keeps_its_slot_through_many_renewal_periods():
+    """The renewals come every third of the TTL of real time (0.1 s here); the lease lives on
+    the scheduler's clock, which moves only here, half a TTL at a time, each step waiting for a
+    renewal to land: however slow the machine, the lease expires only if renewals stop."""
+    clock = Clock(1000.0)
+    scheduler = RecordingScheduler()
+    scheduler.scheduler = FairScheduler(4, lease_ttl_s=0.3, clock=clock)
+    admission = stage(scheduler, keep_warm_s=0)
+
+    async def long_stream(ctx: RequestContext) -> Response:
+        for _ in range(8):  # four TTLs
+            renewals = len(scheduler.synced)
+            clock.advance(0.15)
+            await eventually_async(
+                lambda renewals=renewals: len(scheduler.synced) > renewals,
+                timeout_s=5,
+                what="the slot's lease renewed",
+            )
+            assert scheduler.scheduler.expire_leases() == 0
+        assert scheduler.slots_used == 1
+        return Response(b"{}")
+
+    await admission(ctx_for("a"), long_stream)
+    slots = admission.slots[MODEL]
+    assert slots.kept_alive == 0, "its renewals stopped with the request"
+    await eventually_async(lambda: scheduler.slots_used == 0, timeout_s=2, what="slot back")
