@@ -173,6 +173,9 @@ class DownStore(Store):
     async def renew_lease(self, key, lease_id, ttl_s) -> bool:
         self._fail()
 
+    async def renew_leases(self, leases, ttl_s) -> list[tuple[str, str]]:
+        self._fail()
+
     async def release_lease(self, key, lease_id) -> None:
         self._fail()
 

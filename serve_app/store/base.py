@@ -125,6 +125,14 @@ def check_ttl(ttl_s: float) -> None:
         raise ValueError(f"ttl_s must be finite and > 0, got {ttl_s}")
 
 
+def leases_by_key(leases: Sequence[tuple[str, str]]) -> dict[str, list[str]]:
+    """``(key, lease_id)`` pairs grouped by key: each lease set is read and written once."""
+    grouped: dict[str, list[str]] = {}
+    for key, lease_id in leases:
+        grouped.setdefault(key, []).append(lease_id)
+    return grouped
+
+
 def covers(level: float, amount: float) -> bool:
     return level + EPSILON >= amount
 
@@ -222,6 +230,15 @@ class Store(ABC):
     @abstractmethod
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
         """Extend a held lease to ``ttl_s`` from now; False if it is not held (or expired)."""
+
+    @abstractmethod
+    async def renew_leases(
+        self, leases: Sequence[tuple[str, str]], ttl_s: float
+    ) -> list[tuple[str, str]]:
+        """``renew_lease`` for many ``(key, lease_id)`` at once, in one round trip: a gateway
+        renews the leases of all its live streams together, not a call per stream. Returns
+        those not held (expired, released, or lost with the store's data), for the caller to
+        acquire again or let go."""
 
     @abstractmethod
     async def release_lease(self, key: str, lease_id: str) -> None:

@@ -126,6 +126,11 @@ class GuardedStore(Store):
     async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
         return await self._call("renew_lease", lambda: self.store.renew_lease(key, lease_id, ttl_s))
 
+    async def renew_leases(
+        self, leases: Sequence[tuple[str, str]], ttl_s: float
+    ) -> list[tuple[str, str]]:
+        return await self._call("renew_leases", lambda: self.store.renew_leases(leases, ttl_s))
+
     async def release_lease(self, key: str, lease_id: str) -> None:
         await self._call("release_lease", lambda: self.store.release_lease(key, lease_id))
 

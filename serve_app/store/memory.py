@@ -30,6 +30,7 @@ from serve_app.store.base import (
     check_take,
     check_ttl,
     covers,
+    leases_by_key,
     retry_after,
 )
 
@@ -265,6 +266,22 @@ class MemoryStore(Store):
             holders[lease_id] = now + ttl_s
         self._store_holders(key, holders, now)
         return held
+
+    async def renew_leases(
+        self, leases: Sequence[tuple[str, str]], ttl_s: float
+    ) -> list[tuple[str, str]]:
+        check_ttl(ttl_s)
+        now = self._clock()
+        gone: list[tuple[str, str]] = []
+        for key, lease_ids in leases_by_key(leases).items():
+            holders = self._holders(key, now)
+            for lease_id in lease_ids:
+                if lease_id in holders:
+                    holders[lease_id] = now + ttl_s
+                else:
+                    gone.append((key, lease_id))
+            self._store_holders(key, holders, now)
+        return gone
 
     async def release_lease(self, key: str, lease_id: str) -> None:
         now = self._clock()

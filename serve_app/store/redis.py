@@ -45,6 +45,7 @@ from serve_app.store.base import (
     TakeResult,
     check_take,
     check_ttl,
+    leases_by_key,
     retry_after,
 )
 
@@ -149,7 +150,7 @@ return out
 
 # Lease sets: members are lease ids, scores their expiry in server milliseconds. Expired members
 # are dropped first, so they never count; the key expires with its last lease.
-_LEASE_LUA = """
+_LEASE_FUNCTIONS_LUA = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -158,9 +159,14 @@ local function expire_with_last(key, now)
   local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   if last[2] then redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - now)) end
 end
+"""
+_LEASE_LUA = (
+    _LEASE_FUNCTIONS_LUA
+    + """
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 """
+)
 
 # KEYS[1]: lease set. ARGV: lease_id, limit, ttl_ms. Returns {granted (1|0), holders now}.
 _ACQUIRE_LUA = (
@@ -259,12 +265,44 @@ return 1
 """
 )
 
+# KEYS: lease sets. ARGV: ttl_ms, then per key the number of its leases and their ids. Every
+# lease of _RENEW_LUA at once: a gateway's live streams, one round trip a period. Returns
+# {key index, lease_id} for each lease not held (flat), which the caller acquires again.
+_RENEW_MANY_LUA = (
+    _LEASE_FUNCTIONS_LUA
+    + """
+local now = now_ms()
+local ttl_ms = tonumber(ARGV[1])
+local gone, at = {}, 2
+for k, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local n = tonumber(ARGV[at])
+  for i = at + 1, at + n do
+    if redis.call('ZSCORE', key, ARGV[i]) then
+      redis.call('ZADD', key, 'XX', now + ttl_ms, ARGV[i])
+    else
+      gone[#gone + 1] = k
+      gone[#gone + 1] = ARGV[i]
+    end
+  end
+  expire_with_last(key, now)
+  at = at + n + 1
+end
+return gone
+"""
+)
+
 # What redis-py's BlockingConnectionPool raises when no pooled connection frees up in time.
 _POOL_EXHAUSTED = "No connection available."
 
 
 def _ms(ttl_s: float) -> int:
     return max(1, math.ceil(ttl_s * 1000))
+
+
+def _text(reply: bytes | str) -> str:
+    """A string from a script's reply (bytes unless the client decodes responses)."""
+    return reply.decode() if isinstance(reply, bytes) else reply
 
 
 class RedisStore(Store):
@@ -279,6 +317,7 @@ class RedisStore(Store):
         self._peek = client.register_script(_PEEK_LUA)
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
+        self._renew_many = client.register_script(_RENEW_MANY_LUA)
         self._reserve = client.register_script(_RESERVE_LUA)
         self._unreserve = client.register_script(_UNRESERVE_LUA)
         self._settle = client.register_script(_SETTLE_LUA)
@@ -443,6 +482,27 @@ class RedisStore(Store):
         with self._failures("renew_lease"):
             held = await self._renew(keys=[self._key(key)], args=[lease_id, _ms(ttl_s)])
         return bool(held)
+
+    async def renew_leases(
+        self, leases: Sequence[tuple[str, str]], ttl_s: float
+    ) -> list[tuple[str, str]]:
+        """One script over every tenant's lease set: one Redis (what this store connects to)
+        runs it whole; a Redis Cluster would need one call per hash slot."""
+        check_ttl(ttl_s)
+        grouped = leases_by_key(leases)
+        if not grouped:
+            return []
+        args: list[int | str] = [_ms(ttl_s)]
+        for lease_ids in grouped.values():
+            args.append(len(lease_ids))
+            args += lease_ids
+        keys = list(grouped)
+        with self._failures("renew_leases"):
+            reply = await self._renew_many(keys=[self._key(k) for k in keys], args=args)
+        return [
+            (keys[int(index) - 1], _text(lease_id))
+            for index, lease_id in zip(reply[::2], reply[1::2], strict=True)
+        ]
 
     async def release_lease(self, key: str, lease_id: str) -> None:
         with self._failures("release_lease"):

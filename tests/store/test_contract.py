@@ -248,6 +248,30 @@ async def test_expired_lease_does_not_count_and_renew_extends(
     assert await store.acquire_lease("streams:t", "late", 2, 10) == (False, 2)
 
 
+async def test_renew_leases_renews_every_held_one_at_once_and_names_those_gone(
+    store: Store, passing: Passage
+) -> None:
+    """A gateway's live streams of several tenants, renewed in one call: the held ones live on,
+    the released and unknown ones are named (and not brought back)."""
+    for key, lease_id in [("streams:t", "a"), ("streams:t", "done"), ("streams:u", "c")]:
+        assert (await store.acquire_lease(key, lease_id, 2, 0.3))[0]
+    await store.release_lease("streams:t", "done")
+    asked = [
+        ("streams:t", "a"),
+        ("streams:u", "c"),
+        ("streams:t", "done"),
+        ("streams:u", "never"),
+        ("streams:nobody", "x"),
+    ]
+    gone = await store.renew_leases(asked, 10)
+    assert sorted(gone) == [("streams:nobody", "x"), ("streams:t", "done"), ("streams:u", "never")]
+    await passing.elapse(0.45)  # past the first TTL however late this wakes: renewed ones live
+    assert await store.acquire_lease("streams:t", "new", 2, 10) == (True, 2)  # "a" holds one
+    assert await store.acquire_lease("streams:t", "late", 2, 10) == (False, 2)
+    assert await store.acquire_lease("streams:u", "z", 2, 10) == (True, 2)  # "c" and "z" only
+    assert await store.renew_leases([], 10) == []
+
+
 # -- reserve: a take and a lease together ---------------------------------------------------
 
 

@@ -29,6 +29,7 @@ OPERATIONS: dict[str, Callable[[RedisStore], Awaitable[object]]] = {
     "peek": lambda s: s.peek([BUCKET]),
     "acquire_lease": lambda s: s.acquire_lease("streams:t", "a", 1, 10),
     "renew_lease": lambda s: s.renew_lease("streams:t", "a", 10),
+    "renew_leases": lambda s: s.renew_leases([("streams:t", "a")], 10),
     "release_lease": lambda s: s.release_lease("streams:t", "a"),
     "ping": lambda s: s.ping(),
 }
