@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import errors
 from serve_app.backends.base import ABANDONED_WAIT_S, Timeouts, paced
+from serve_app.backends.feed import FedStream, demultiplex
 from serve_app.backends.stream_window import bound_stream_windows
 from serve_app.bridge import BridgedPool, PoolBridge
 from serve_app.config.models import PoolConfig
@@ -85,6 +87,18 @@ async def _assigned(response) -> None:
         await fetch()
 
 
+async def _watch(gen, fed: FedStream) -> None:
+    """A fed stream's handle: it ends once the replica sent the stream's end over the feed, or
+    fails (the replica died, the call was refused); a failure reaches the stream's reader."""
+    try:
+        async for batch in gen:
+            fed.put(batch)  # not sent while fed; kept in order if it ever is
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        fed.fail(_as_forge_error(exc))
+
+
 def pool_timeouts(pool: PoolConfig) -> Timeouts:
     return Timeouts(
         pool.connect_timeout_s,
@@ -108,6 +122,13 @@ class PoolBackend(BridgedPool):
         self._handle = handle
         self._stream = handle.options(stream=True)  # also starts the router's replica updates
         self._waking: asyncio.Task | None = None
+        # This gateway replica's feeds, one per pool replica, and their streams by key.
+        self._feed_id = uuid.uuid4().hex
+        self._feeds: dict[str, asyncio.Task] = {}
+        self._fed: dict[str, FedStream] = {}
+        self._keys = itertools.count()
+        # Usage that came over a feed for a stream its client left first (``abandoned_usage``).
+        self._unread_usage: dict[str, dict] = {}
 
     def wake(self) -> None:
         """Wake a pool scaled to zero: one call that waits at the handle makes Serve's
@@ -125,13 +146,41 @@ class PoolBackend(BridgedPool):
     async def stream(
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
     ) -> AsyncIterator[list]:
-        gen = self._stream.stream.remote(body, kind, request_id, carrier())
+        key = f"{next(self._keys):x}"
+        fed = FedStream(lambda paused: self._pause(fed, key, paused))
+        self._fed[key] = fed
+        gen = self._stream.stream.remote(body, kind, request_id, carrier(), self._feed_id, key)
         t = self.timeouts
-        deadline = asyncio.get_running_loop().time() + min(t.total_s, budget_s or t.total_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(t.total_s, budget_s or t.total_s)
         finished = False
+        watcher: asyncio.Task | None = None
         try:
             await self._connect(gen, deadline)
-            async for batch in paced(gen, t.first_token_s, t.idle_s, deadline, "The model"):
+            wait = max(min(t.first_token_s, deadline - loop.time()), 0)
+            try:
+                first = await asyncio.wait_for(anext(gen), wait)
+            except StopAsyncIteration:
+                finished = True
+                return
+            except TimeoutError:
+                raise errors.upstream_timeout(
+                    "The model did not start answering in time."
+                ) from None
+            meta = first[0] if first and type(first[0]) is dict else {}
+            fed.replica = meta.get("replica")
+            if not meta.get("fed"):
+                if fed.replica is not None:
+                    self._open_feed(fed.replica)  # for the streams after this one
+                yield first
+                async for batch in paced(gen, t.idle_s, t.idle_s, deadline, "The model"):
+                    yield batch
+                finished = True
+                return
+            # The rest comes over the feed; the handle's own end (or error) is watched beside.
+            watcher = loop.create_task(_watch(gen, fed))
+            yield first
+            async for batch in fed.batches(t.idle_s, deadline):
                 yield batch
             finished = True
         except errors.ForgeError:
@@ -139,10 +188,16 @@ class PoolBackend(BridgedPool):
         except Exception as exc:  # Ray's errors, TaskCancelledError included, are Exceptions
             raise _as_forge_error(exc) from exc
         finally:
+            self._fed.pop(key, None)
+            fed.close()
             if not finished:
                 # Stopped early (client gone, failure, deadline): the replica aborts and frees
                 # its slot. cancel() re-raises a failed assignment's error; it is handled above.
                 _cancel(gen)
+                self._note_unread_usage(request_id, fed)
+                if watcher is not None:
+                    watcher.cancel()
+            # Else the watcher sees the handle's end, which follows the stream's over the feed.
 
     async def complete(
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
@@ -173,6 +228,61 @@ class PoolBackend(BridgedPool):
         except TimeoutError:
             raise errors.upstream_timeout("No model replica took the request in time.") from None
 
+    # -- feeds (``serve_app/backends/feed.py``) -----------------------------------------------
+
+    def _open_feed(self, replica_id: str) -> None:
+        """Open this gateway's feed from ``replica_id`` in the background, once."""
+        if replica_id not in self._feeds and replica_id in (self.bridge.replica_ids or ()):
+            task = asyncio.get_running_loop().create_task(self._read_feed(replica_id))
+            self._feeds[replica_id] = task
+
+    async def _read_feed(self, replica_id: str) -> None:
+        """Hand each fed stream its batches until the feed ends: the replica found it idle, or
+        went away (its fed streams then fail here, if their handles did not fail first)."""
+        pin = f"feed-{uuid.uuid4().hex}"
+        self.bridge.pinned[pin] = replica_id
+        try:
+            gen = outside_the_request(
+                self._stream.feed.remote, self._feed_id, replica_id=replica_id, request_id=pin
+            )
+            try:
+                # Not timed: a replica at capacity takes it when a slot frees, and a call
+                # cancelled before Serve assigned it blocks the loop (``_pinned``).
+                await _assigned(gen)
+            finally:
+                self.bridge.pinned.pop(pin, None)
+            streams = self._fed
+            async for batch in gen:
+                demultiplex(batch, streams)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.info("the feed from %s/%s ended: %r", self.name, replica_id, exc)
+        finally:
+            if self._feeds.get(replica_id) is asyncio.current_task():
+                del self._feeds[replica_id]
+            gone = errors.bad_gateway("The model replica went away.")
+            for fed in list(self._fed.values()):
+                if fed.replica == replica_id:
+                    fed.fail(gone)
+
+    def _pause(self, fed: FedStream, key: str, paused: bool) -> None:
+        """Ask the stream's replica to pause (or resume) it, in the background."""
+        if fed.replica is None:
+            return
+        asyncio.get_running_loop().create_task(
+            self._pinned(
+                fed.replica, f"feed-pause-{key}", "feed_pause", 10.0, self._feed_id, key, paused
+            )
+        )
+
+    def _note_unread_usage(self, request_id: str, fed: FedStream) -> None:
+        usage = fed.unread_usage()
+        if usage is not None:
+            if len(self._unread_usage) >= 1_000:
+                self._unread_usage.clear()  # never asked: bounded, not kept
+            self._unread_usage[request_id] = usage
+
     async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
         """Each replica the router knows, by a call pinned to it."""
         return {
@@ -185,6 +295,9 @@ class PoolBackend(BridgedPool):
     async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
         """Asked of that very replica; None when it is gone or slow, and the gateway charges
         its estimate."""
+        unread = self._unread_usage.pop(request_id, None)
+        if unread is not None:
+            return unread  # it came over the feed; the client left before it was read
         if not self.replica_count():
             return None  # no replica at all (it died mid-stream, the pool is at zero)
         return await self._pinned(

@@ -1,8 +1,10 @@
 """The replica deployment: one engine, served to the gateway through Serve handles.
 
 The replica is engine-agnostic. It coalesces the frames that are ready into one handle item
-(a Serve handle stream pays per item, not per byte), injects faults, reports vLLM-named stats
-for routing and dashboards, and aborts the engine's request when the caller goes away.
+(a Serve handle stream pays per item, not per byte), and, once a gateway holds a feed open here,
+sends its streams' frames after the first batch over that feed, batched across streams
+(``feed.py``); it injects faults, reports vLLM-named stats for routing and dashboards, and
+aborts the engine's request when the caller goes away.
 
 A stream's engine runs at most ``STREAM_QUEUE_ITEMS`` frames ahead of its caller: a slow reader
 slows what is pulled from its own generation, never the others', and costs this process a
@@ -27,10 +29,11 @@ from ray.serve.metrics import Gauge
 
 from serve_app import errors
 from serve_app.config.models import PoolConfig, TracingConfig
-from serve_app.engines.base import Engine, Kind, Usage
+from serve_app.engines.base import Engine, EngineError, Kind, Usage
 from serve_app.kvcache.curve import curve_keys
 from serve_app.kvcache.events import KvEventPublisher
 from serve_app.replica.faults import FaultInjector, FaultSpec
+from serve_app.replica.feed import Feed
 from serve_app.routing.registry import KV_EVENT_POLICIES
 from serve_app.tracing import describe_usage, extract, tracer_for
 
@@ -73,6 +76,16 @@ def build_engine(pool: PoolConfig, kv_events: KvEventPublisher | None = None) ->
             adapters=pool.adapters,
         )
     raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
+
+
+def _as_stream_error(exc: Exception) -> errors.ForgeError:
+    """What a fed stream's reader is told when its generation failed after it started: what a
+    handle stream's caller makes of the exception (``backends/pool.py``)."""
+    if isinstance(exc, errors.ForgeError):
+        return exc
+    if isinstance(exc, EngineError):
+        return errors.bad_gateway(f"The model replica failed: {exc}")
+    return errors.bad_gateway()
 
 
 def _node_address() -> str:
@@ -126,6 +139,8 @@ class Replica:
         self._generations: dict[str, list[_Generation]] = {}
         # And the non-streamed generations by request id, for the same question.
         self._completions: dict[str, list[asyncio.Future]] = {}
+        # The feeds gateways hold open here, by the gateway's feed id (``feed``).
+        self._feeds: dict[str, Feed] = {}
 
     async def _ensure_started(self) -> None:
         if not self._started:
@@ -135,12 +150,22 @@ class Replica:
             self._started = True
 
     async def stream(
-        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
+        self,
+        body: dict,
+        kind: Kind,
+        request_id: str,
+        trace_context: dict | None = None,
+        feed_id: str | None = None,
+        feed_key: str | None = None,
     ) -> AsyncIterator[list]:
         """Stream one request as lists of ready items; the first list starts with metadata.
         A refusal (a 4xx, before any frame) is the one item of the one list
-        (``errors.refusal_item``), never an exception Serve would log with its message."""
-        source = self._stream(body, kind, request_id, trace_context)
+        (``errors.refusal_item``), never an exception Serve would log with its message.
+
+        With ``feed_id`` naming a feed its gateway holds open here (``feed``), only the first
+        list comes back this way (its metadata says ``fed``); the rest, and the stream's end,
+        go over the feed under ``feed_key``, and this call returns once they are sent."""
+        source = self._stream(body, kind, request_id, trace_context, feed_id, feed_key)
         try:
             async for batch in source:
                 yield batch
@@ -152,8 +177,17 @@ class Replica:
             await source.aclose()
 
     async def _stream(
-        self, body: dict, kind: Kind, request_id: str, trace_context: dict | None
+        self,
+        body: dict,
+        kind: Kind,
+        request_id: str,
+        trace_context: dict | None,
+        feed_id: str | None = None,
+        feed_key: str | None = None,
     ) -> AsyncIterator[list]:
+        # Joined before any await: a feed with a stream on it does not end for being idle.
+        feed = self._feeds.get(feed_id) if feed_id and feed_key else None
+        gate = feed.join(feed_key) if feed is not None else None
         self.open_streams += 1
         try:
             with self._span(trace_context, request_id) as span:
@@ -165,16 +199,21 @@ class Replica:
                 queue = generation.queue
                 self._generations.setdefault(request_id, []).append(generation)
                 sent = 0
+                first = True  # the first list goes back over the handle, fed or not
                 try:
-                    batch: list = [{"replica": self.replica_id}]
+                    meta = {"replica": self.replica_id}
+                    if feed is not None:
+                        meta["fed"] = True
+                    batch: list = [meta]
                     while True:
+                        if gate is not None and not gate.is_set():
+                            await gate.wait()  # its reader at the gateway is behind
                         item = await queue.get()
+                        ended = False
                         while True:
                             if item is _END:
-                                if batch:
-                                    yield batch
-                                generation.usage = None  # resumed after its batch: taken
-                                return
+                                ended = True
+                                break
                             if isinstance(item, BaseException):
                                 raise item
                             if isinstance(item, Usage):
@@ -188,8 +227,25 @@ class Replica:
                             if queue.empty():
                                 break
                             item = queue.get_nowait()
-                        yield batch
+                        if first or feed is None:
+                            if batch:
+                                yield batch
+                        elif batch:
+                            feed.send(feed_key, batch)
+                        if ended:
+                            if feed is not None:
+                                feed.send(feed_key, None)
+                            generation.usage = None  # resumed after its batch: taken
+                            return
+                        first = False
                         batch = []
+                except Exception as exc:
+                    if feed is None or first or feed.closed:
+                        raise
+                    # Its reader is at the other end of the feed: the error goes in order,
+                    # after the frames before it.
+                    span.set_attribute("forge.error", type(exc).__name__)
+                    feed.send(feed_key, errors.refusal_item(_as_stream_error(exc)))
                 finally:
                     # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
                     generation.end()
@@ -200,6 +256,47 @@ class Replica:
                         self._generations.pop(request_id, None)
         finally:
             self.open_streams -= 1
+            if feed is not None:
+                feed.leave(feed_key)
+
+    async def feed(
+        self, feed_id: str, *, replica_id: str | None = None, request_id: str | None = None
+    ) -> AsyncIterator[list]:
+        """The feed of gateway ``feed_id`` (``serve_app/replica/feed.py``): every frame after
+        the first batch of its streams that name it, batched. A gateway opens one per replica
+        it streams from, pinned here by ``replica_id``; another replica (that one is gone) ends
+        it at once, and the gateway's streams stay on their handles."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return
+        feed = Feed(feed_id)
+        previous = self._feeds.get(feed_id)
+        if previous is not None:
+            previous.close()  # one feed per gateway: the newer one
+        self._feeds[feed_id] = feed
+        try:
+            async for batch in feed.items():
+                yield batch
+        finally:
+            feed.close()
+            if self._feeds.get(feed_id) is feed:
+                del self._feeds[feed_id]
+
+    def feed_pause(
+        self,
+        feed_id: str,
+        feed_key: str,
+        paused: bool,
+        *,
+        replica_id: str | None = None,
+        request_id: str | None = None,
+    ) -> bool | None:
+        """A fed stream's reader at the gateway is behind (``paused``) or caught up: the stream
+        waits, as a handle stream waits for gRPC's flow control, and its engine output merges
+        meanwhile (``_Generation``). None from another replica or for a feed not here."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return None
+        feed = self._feeds.get(feed_id)
+        return None if feed is None else feed.pause(feed_key, paused)
 
     async def complete(
         self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None

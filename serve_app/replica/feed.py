@@ -1,0 +1,100 @@
+"""A feed: one handle stream from a replica to one gateway replica, carrying the frames of all
+the requests that gateway streams from here, batched.
+
+Why: a Serve handle stream costs the gateway per item, not per byte (a gRPC message, its read,
+unpickling, Serve's wrapper, a task wake-up), and a slow generation (an agent's long answer at
+a few tokens a second) has one frame ready at a time, so each token was one item: ~200 µs of
+the gateway's CPU per token, ~1,000 such streams per core (docs/benchmarks.md, "Concurrency").
+A request still goes through the handle (Serve's routing, its count of ongoing requests and so
+autoscaling, cancellation, ``abandoned_usage``), and its first batch comes back over it, so the
+time to first token is the handle's as before; the rest of its frames come back over the feed,
+in one item with every other stream's frames that are ready at that moment.
+
+A feed ends when its gateway closes it (or dies), and by itself after ``FEED_IDLE_S`` with no
+stream on it, so it never keeps a replica busy that Serve would scale down or replace. A stream
+whose feed ends under it is ended (its generation aborted): nobody reads it any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+# A feed no stream used for this long ends; the gateway opens another when it needs one.
+FEED_IDLE_S = 5.0
+# Under load, at most one item a millisecond: each carries every frame that became ready
+# meanwhile. A feed idle for longer sends its next frame at once (a lone stream's latency is
+# unchanged); a busy one adds at most this to a frame's way out.
+FLUSH_EVERY_S = 0.001
+
+
+class FeedClosed(Exception):
+    """The gateway's end of the feed is gone."""
+
+
+class Feed:
+    """What this replica sends one gateway: ``(key, entry)`` pairs in order, where an entry is
+    a stream's batch (a list), ``None`` for its end, or a refusal-shaped dict for its error
+    (``errors.refusal_item``: no exception object crosses the feed)."""
+
+    def __init__(self, feed_id: str) -> None:
+        self.id = feed_id
+        self.closed = False
+        self._pending: list[tuple[str, object]] = []
+        self._wakeup = asyncio.Event()
+        # Streams on this feed: the gate each waits at (set: flowing; clear: its reader paused).
+        self.gates: dict[str, asyncio.Event] = {}
+
+    def join(self, key: str) -> asyncio.Event:
+        gate = asyncio.Event()
+        gate.set()
+        self.gates[key] = gate
+        return gate
+
+    def leave(self, key: str) -> None:
+        self.gates.pop(key, None)
+
+    def send(self, key: str, entry: object) -> None:
+        if self.closed:
+            raise FeedClosed(self.id)
+        self._pending.append((key, entry))
+        self._wakeup.set()
+
+    def pause(self, key: str, paused: bool) -> bool:
+        """The gateway's reader of ``key`` is behind (or caught up): its stream waits (or
+        goes on). False for a stream no longer here."""
+        gate = self.gates.get(key)
+        if gate is None:
+            return False
+        if paused:
+            gate.clear()
+        else:
+            gate.set()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        for gate in self.gates.values():
+            gate.set()  # a paused stream wakes to find its feed gone
+
+    async def items(self) -> AsyncIterator[list[tuple[str, object]]]:
+        """What is pending, as one item at a time, until the feed has been idle with no
+        stream on it for ``FEED_IDLE_S``."""
+        loop = asyncio.get_running_loop()
+        flushed = 0.0
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                try:
+                    async with asyncio.timeout(FEED_IDLE_S):
+                        await self._wakeup.wait()
+                except TimeoutError:
+                    if not self.gates:
+                        return  # no await from here to the caller's unregistering: atomic
+                    continue
+            wait = flushed + FLUSH_EVERY_S - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            batch, self._pending = self._pending, []
+            flushed = loop.time()
+            yield batch
