@@ -42,8 +42,8 @@ if any claim fails:
 3. **nothing leaked**: no replica running, waiting or streaming; every pool's scheduler has no
    slot used, parked, in flight or queued; no live stream lease in Redis for any capped tenant
    (one a killed gateway held lapses by its TTL: waited for, and said) and the capped tenant sees
-   its whole cap; in every live gateway replica no lease or slot renewer live, no settle pending
-   or given up (every refund applied), no usage queued, no lease in its local share.
+   its whole cap; in every live gateway replica no stream or slot lease still renewed, no settle
+   pending or given up (every refund applied), no usage queued, no lease in its local share.
 
 Writes ``<out>.json`` (config, faults, windows, claims, traffic) and ``<out>.md`` (the tables).
 CI runs its quick form with ``--check`` (``scripts/doc_commands.py``), in a Ray of its own.
@@ -415,7 +415,6 @@ def _gateway_probe() -> Callable:
     replica writes it there and SIGKILLs itself."""
 
     def probe(_actor, die_to: str | None = None) -> dict:
-        import asyncio
         import gc
         import json
         import os
@@ -424,6 +423,7 @@ def _gateway_probe() -> Callable:
 
         from ray import serve
 
+        from serve_app.stages.lease_keeper import LeaseKeeper
         from serve_app.stages.quota import QuotaStage
 
         gateway = serve.get_replica_context().servable_object
@@ -440,17 +440,14 @@ def _gateway_probe() -> Callable:
             queued[counter] = queued.get(counter, 0) + value
             row = by_model.setdefault(model, {})
             row[counter] = row.get(counter, 0) + value
-        lease_renewers = slot_renewers = contexts = 0
+        # Leases still renewed: the quota stages' keepers (an old pipeline's too, until its
+        # last request ends) and this replica's slots.
+        lease_renewers = contexts = 0
+        slot_renewers = sum(slots.kept_alive for slots in lasting.slots.values())
         for o in gc.get_objects():
             kind = type(o)
-            if isinstance(o, asyncio.Task):
-                coro = o.get_coro()
-                if not o.done() and getattr(coro, "__qualname__", "") == "QuotaStage._keep_lease":
-                    lease_renewers += 1
-            elif kind.__name__ == "_KeepAlive" and kind.__module__ == "serve_app.stages.admission":
-                timer = o._timer
-                if not timer.cancelled() and timer.when() > o._loop.time():
-                    slot_renewers += 1
+            if isinstance(o, LeaseKeeper):
+                lease_renewers += o.kept
             elif kind.__name__ == "RequestContext" and kind.__module__ == "serve_app.pipeline":
                 contexts += 1
         quota = gateway.pipeline.stage(QuotaStage)
@@ -933,7 +930,7 @@ def check_gateways(killed: Sequence[KilledGateway]) -> tuple[Check, dict[str, di
     no local lease. What killed replicas held is said (it died with them)."""
     states, waited = soak._wait_for(gateway_states, _gateways_clean, timeout_s=60)
     detail = "; ".join(
-        f"{rid}: {s['lease_renewers']} lease / {s['slot_renewers']} slot renewers, "
+        f"{rid}: {s['lease_renewers']} stream / {s['slot_renewers']} slot leases renewed, "
         f"{s['settles_pending']} settles pending, {s['settles_given_up']} given up, "
         f"{s['queued_rows']} usage rows queued, local leases {s['local_leases']}"
         for rid, s in states.items()

@@ -2,19 +2,18 @@
 
 Runs before the cache, so a tenant out of tokens is out even for cached answers. One atomic
 store call takes a request and ``prompt + max_tokens`` tokens; a concurrent-request lease is
-held for the request's life. When the response ends, however it ends, the reservation settles
-exactly once to the backend's ``usage`` (or, for a stream the client abandoned, to what was
-relayed). The store is a convenience: when it fails the request is served unmetered, counted in
-``forge_store_errors_total{op}`` and ``forge_unmetered_total{tenant}``, and a warning is logged
-at most once per interval. What a request owes back (a refund, its lease) always lands:
+held for the request's life (renewed with every other live request's, one store round trip a
+period: ``stages/lease_keeper.py``). When the response ends, however it ends, the reservation
+settles exactly once to the backend's ``usage`` (or, for a stream the client abandoned, to what
+was relayed). The store is a convenience: when it fails the request is served unmetered, counted
+in ``forge_store_errors_total{op}`` and ``forge_unmetered_total{tenant}``, and a warning is
+logged at most once per interval. What a request owes back (a refund, its lease) always lands:
 ``stages/settles.py`` retries it until the store confirms it, also when the reserve itself was
 cut short (a timeout that may have been applied, a client that left mid-call).
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from serve_app.metering.ledger import charged_tokens
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import MAX_REQUEST_LIFE_S, Handler, RequestContext, on_response_end
 from serve_app.protocol import count_prompt_tokens
+from serve_app.stages.lease_keeper import LeaseKeeper
 from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.stages.settles import Settles
 from serve_app.stages.store_failures import StoreFailures
@@ -60,6 +60,7 @@ class QuotaStage:
         self.quotas = {t.name: TenantQuota.of(t) for t in tenants}
         self.default_max_tokens = default_max_tokens
         self._store_failed = StoreFailures(metrics, "serving unmetered")
+        self.leases = LeaseKeeper(LEASE_TTL_S, self._store_failed)
         self.settles = settles or Settles(StoreFailures(metrics, "retried until it lands"))
         self.settle_store = settle_store or store
         # While the shared store is unreachable: this replica's share of every budget, here.
@@ -101,15 +102,15 @@ class QuotaStage:
             raise
 
         settled = False
-        renewer = None
         if held.lease is not None:
             life = self.lifetimes.get(ctx.pool_model, MAX_REQUEST_LIFE_S)
-            renewer = asyncio.create_task(self._keep_lease(held, life))
+            key, cap = held.quota.stream_key, held.quota.max_streams  # the local share's, maybe
+            self.leases.keep(held.store, key, held.lease, cap, life)
 
         def settle(completed: bool) -> None:
             nonlocal settled
-            if renewer is not None:
-                renewer.cancel()
+            if held.lease is not None:
+                self.leases.drop(held.lease)
             if settled or not (held.reserved or held.lease is not None):
                 return
             settled = True
@@ -198,22 +199,6 @@ class QuotaStage:
                 self._refund(local, reserved, f"{settle_id}:reserve")
             raise
         return local
-
-    async def _keep_lease(self, held: _Held, max_life_s: float) -> None:
-        """Renew a live request's lease at a third of its TTL: a 10-minute stream keeps it;
-        past ``max_life_s`` no request is live, and the lease lapses by itself."""
-        quota, store = held.quota, held.store
-        for _ in range(max(1, math.ceil(max_life_s / (LEASE_TTL_S / 3)))):
-            await asyncio.sleep(LEASE_TTL_S / 3)
-            try:
-                if not await store.renew_lease(quota.stream_key, held.lease, LEASE_TTL_S):
-                    # Gone (the store was flushed or failed over): the live stream takes its
-                    # place back, counted against the cap again, rather than running unseen.
-                    await store.acquire_lease(
-                        quota.stream_key, held.lease, quota.max_streams, LEASE_TTL_S
-                    )
-            except StoreError as exc:
-                self._store_failed("renew", exc)
 
     def _settles_store(self, held: _Held) -> Store:
         """Where ``held``'s settles go: the patient store for the shared one, else its own."""

@@ -78,13 +78,27 @@ async def test_a_failure_before_any_byte_refunds_every_token():
 
 
 class CountsRenewals(MemoryStore):
-    def __init__(self, clock: Clock) -> None:
-        super().__init__(clock=clock)
-        self.renewals = 0
+    """The embedded store, recording each batch of lease renewals (one round trip each)."""
 
-    async def renew_lease(self, key: str, lease_id: str, ttl_s: float) -> bool:
-        self.renewals += 1
-        return await super().renew_lease(key, lease_id, ttl_s)
+    def __init__(self, clock: Clock | None = None) -> None:
+        super().__init__(clock=clock or Clock(1000.0))
+        self.batches: list[list[tuple[str, str]]] = []
+
+        self.down = False  # renewals fail as an unreachable store's do
+
+    @property
+    def renewals(self) -> int:
+        return len(self.batches)
+
+    async def renew_leases(self, leases, ttl_s):
+        self.batches.append(list(leases))
+        if self.down:
+            raise StoreError("store down (test double)")
+        return await super().renew_leases(leases, ttl_s)
+
+    def flush(self) -> None:
+        """Every key gone at once, as Redis after ``FLUSHALL`` or a failover to an empty one."""
+        self._data.clear()
 
 
 async def test_a_long_stream_keeps_its_lease_and_gives_it_back_at_the_end(monkeypatch):
@@ -123,6 +137,87 @@ async def test_a_long_stream_keeps_its_lease_and_gives_it_back_at_the_end(monkey
     assert len(chunks) == 4
     await settled()
     assert (await stage(ctx_for(t), answered({}))).status_code == 200
+
+
+class Streams:
+    """Requests of one tenant that hold their stream (and its lease) until ``end``."""
+
+    def __init__(self, stage: QuotaStage, t: TenantConfig) -> None:
+        self.stage, self.tenant = stage, t
+        self.running: list[tuple[asyncio.Task, asyncio.Event]] = []
+
+    async def start(self) -> None:
+        serving, done = asyncio.Event(), asyncio.Event()
+
+        async def holds_its_stream(ctx: RequestContext) -> Response:
+            serving.set()  # past quota: its lease is held
+            await done.wait()
+            return Response(b"{}")
+
+        task = asyncio.create_task(self.stage(ctx_for(self.tenant), holds_its_stream))
+        await asyncio.wait_for(serving.wait(), 5)
+        self.running.append((task, done))
+
+    async def end(self, i: int) -> None:
+        task, done = self.running[i]
+        done.set()
+        await task
+        await self.stage.settles.drain()
+
+    async def refused(self) -> bool:
+        try:
+            await self.stage(ctx_for(self.tenant), answered({}))
+        except ForgeError as err:
+            return err.status == 429
+        await self.stage.settles.drain()
+        return False
+
+
+async def test_every_live_streams_lease_is_renewed_in_one_store_round_trip():
+    store, t = CountsRenewals(), tenant(max_concurrent_streams=5)
+    stage = QuotaStage(store, RecordingMetrics(), [t], {})
+    streams = Streams(stage, t)
+    for _ in range(3):
+        await streams.start()
+    await stage.leases.renew_now()
+    (batch,) = store.batches
+    assert len(batch) == 3 and {key for key, _ in batch} == {"streams:{acme}"}
+    for i in range(3):
+        await streams.end(i)
+    assert stage.leases.kept == 0, "ended streams are renewed no more"
+
+
+async def test_a_renewal_takes_back_a_lease_the_store_lost_but_not_one_released():
+    """The store was flushed under two live streams (cap 2): the next renewal holds both leases
+    again, so a third request is refused; a stream that ended is not brought back."""
+    store, t = CountsRenewals(), tenant(max_concurrent_streams=2)
+    stage = QuotaStage(store, RecordingMetrics(), [t], {})
+    streams = Streams(stage, t)
+    await streams.start()
+    await streams.start()
+    assert await streams.refused()
+    store.flush()
+    assert not await streams.refused(), "flushed: the store counts no stream"
+    await stage.leases.renew_now()
+    assert await streams.refused(), "both live streams hold their leases again"
+    await streams.end(0)
+    await stage.leases.renew_now()
+    assert not await streams.refused(), "the ended stream's lease stayed released"
+    await streams.end(1)
+
+
+async def test_a_failed_renewal_is_counted_and_the_next_period_renews():
+    store, t, metrics = CountsRenewals(), tenant(max_concurrent_streams=1), RecordingMetrics()
+    stage = QuotaStage(store, metrics, [t], {})
+    streams = Streams(stage, t)
+    await streams.start()
+    store.down = True
+    await stage.leases.renew_now()
+    assert metrics.store_errors.calls == [{"op": "renew"}]
+    store.down = False
+    await stage.leases.renew_now()
+    assert len(store.batches) == 2 and await streams.refused()
+    await streams.end(0)
 
 
 async def test_the_concurrent_request_cap_and_its_remainder_are_in_the_headers():
