@@ -25,16 +25,19 @@ it exits 1 if any failed. Groups, run in this order:
 - ``graph``: against one ``serve run configs/local.yaml`` that ``--run`` starts for the group
   (``loadtest.local_graph``, as the demo and the local gate start theirs) and stops after it;
 - ``vllm``: in ``.ci/vllm``'s cached vLLM virtualenv and tiny model (skipped, saying so, where
-  it has not been built: ``.ci/run`` runs ``.ci/vllm`` first).
+  it has not been built: ``.ci/run`` runs ``.ci/vllm --prepare`` first), ``pytest -m vllm``
+  among them.
 
 They run in two lanes at once (``--lanes 1``: one after another). Most of a drill's time is
 waiting (Ray and Serve starting, rolling, draining: a quick drill kept the two cores ~27 %
 busy), so two at a time take little more than one. One lane owns :8000 and :8265: the graph
 group and every entry that serves them itself (``serves_8000``), in turn; the other runs the
-rest, each on ports of its own. The graph group's commands that find their cluster by Ray's
-``auto`` (which finds every Ray on the machine, maybe another lane's too) are given the graph's
-own address in ``RAY_ADDRESS``, with its token mode. An entry whose ``--check`` claim depends
-on throughput (``alone``) runs after the lanes, by itself.
+rest, each on ports of its own, from the front of their list, and the first, done with its
+own, takes the rest's from the back, so the two lanes end together. The graph group's
+commands that find their cluster by Ray's ``auto`` (which finds every Ray on the machine, maybe
+another lane's too) are given the graph's own address in ``RAY_ADDRESS``, with its token mode.
+An entry whose ``--check`` claim depends on throughput (``alone``) runs after the lanes, by
+itself.
 
 Outputs go to ``--tmp`` (``/tmp/forge-doc-commands``), never to loadtest/results or docs/.
 """
@@ -522,7 +525,6 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
     "pip install": Elsewhere(".ci/run step 1 (`pip install -e '.[dev]'`); .ci/deploy, .ci/vllm"),
     "pytest": Elsewhere(".ci/run step 1: the README's test command, exactly"),
     "pytest -m slow": Elsewhere(".ci/run step 2"),
-    "pytest -m vllm": Elsewhere(".ci/vllm runs `pytest -m vllm tests/vllm` in the vLLM venv"),
     "pytest tests/e2e/test_fuzz.py": Elsewhere(
         "the default run (.ci/run step 1) runs it at 20 cases per operation and mode; the "
         "documented FORGE_FUZZ_EXAMPLES=500 pass is the same test, longer (~5 min)"
@@ -902,6 +904,15 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         serves_8000=True,
         needs="python -m serve_app.tools.tiny_model",  # the model it serves
     ),
+    "pytest -m vllm": quick(
+        "env FORGE_TINY_MODEL={tiny_model} {vllm_bin}/pytest -m vllm tests/vllm",
+        timeout=900,
+        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        group="vllm",
+        note="the real-vLLM tests, as `.ci/vllm` runs them alone; here in the lane beside the "
+        ":8000 one (their own Ray, ports and no dashboard), after `.ci/vllm --prepare` built "
+        "the venv and the model (.ci/run step 3)",
+    ),
     "python -m loadtest.vllm_overhead": quick(
         "{vllm_python} -m loadtest.vllm_overhead --model {tiny_model} --requests 5"
         " --out {tmp}/vllm_overhead.json",
@@ -1233,18 +1244,34 @@ def lanes_of(names: list[str], lanes: int) -> tuple[list[list[str]], list[str]]:
     return [[n for n in ordered if n in owns], [n for n in ordered if n not in owns]], alone
 
 
+class Shared:
+    """The second lane's entries, in order. That lane takes them from the front; the lane that
+    owns :8000, once its own are done, takes from the back, so the two end together. None of
+    them serves :8000; one that needs another's output is left to the second lane."""
+
+    def __init__(self, names: list[str]) -> None:
+        self._names = list(names)
+        self._lock = threading.Lock()
+
+    def take(self, back: bool = False) -> str | None:
+        with self._lock:
+            if not self._names or (back and COMMANDS[self._names[-1]].needs is not None):
+                return None
+            return self._names.pop(-1 if back else 0)
+
+
 class _Lane:
     """One lane's entries in turn; the graph group's graph started before its first entry and
-    stopped after its last."""
+    stopped after its last. Then, from ``shared``, what the other lane has not yet started."""
 
-    def __init__(self, run: _Run, number: int) -> None:
-        self.run, self.number = run, number
+    def __init__(self, run: _Run, number: int, shared: Shared | None = None) -> None:
+        self.run, self.number, self.shared = run, number, shared
         self.graph: Graph | None = None
 
     def result(self, name: str, seconds: float, outcome: str) -> None:
         self.run.result(self.number, name, seconds, outcome)
 
-    def go(self, names: list[str]) -> None:
+    def go(self, names: list[str], back: bool = False) -> None:
         for name in names:
             entry = COMMANDS[name]
             assert isinstance(entry, Quick)
@@ -1253,6 +1280,10 @@ class _Lane:
             self.one(name, entry)
         if self.graph is not None:
             self._stop_graph()
+        while self.shared is not None and (name := self.shared.take(back)) is not None:
+            entry = COMMANDS[name]
+            assert isinstance(entry, Quick) and entry.group != "graph"
+            self.one(name, entry)
 
     def one(self, name: str, entry: Quick) -> None:
         run = self.run
@@ -1339,27 +1370,31 @@ def run(names: list[str], tmp: Path, keep_going: bool = True, lanes: int = 2) ->
     state = _Run(tmp, values, venv, keep_going)
     started = time.monotonic()
     parallel, alone = lanes_of(names, lanes)
-    planned = [lane for lane in parallel if lane]
+    if lanes == 2:  # the first owns :8000; the second's entries are shared (Shared)
+        shared = Shared(parallel[1])
+        work = [(_Lane(state, 1, shared), parallel[0], True), (_Lane(state, 2, shared), [], False)]
+    else:
+        work = [(_Lane(state, 1), parallel[0], False)]
     threads = [
-        threading.Thread(target=_Lane(state, i + 1).go, args=(lane,), daemon=True)
-        for i, lane in enumerate(planned)
+        threading.Thread(target=lane.go, args=(own, back), daemon=True) for lane, own, back in work
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    planned = len(work)
     if alone:
-        planned.append(alone)
-        _Lane(state, len(planned)).go(alone)
+        planned += 1
+        _Lane(state, planned).go(alone)
     total = time.monotonic() - started
     results = sorted(state.results, key=lambda r: r[0])  # by lane, each in its order (stable)
     width = max(len(r[1]) for r in results) if results else 10
     print(f"\n{'command':{width}}  lane  {'seconds':>8}  result")
     for lane, name, seconds, result in results:
         print(f"{name:{width}}  {lane:>4}  {seconds:8.1f}  {result}")
-    for i, lane in enumerate(planned):
-        busy = sum(r[2] for r in results if r[0] == i + 1)
-        print(f"lane {i + 1}: {len(lane)} entries, {busy:.0f} s")
+    for i in range(planned):
+        ran = [r for r in results if r[0] == i + 1 and not r[1].startswith("(graph group)")]
+        print(f"lane {i + 1}: {len(ran)} entries, {sum(r[2] for r in ran):.0f} s")
     bad = [r for r in results if r[3].startswith(("FAIL", "not run"))]
     print(
         f"\ndoc commands: {len(results) - len(bad)} ok or skipped, {len(bad)} failed, "

@@ -96,3 +96,25 @@ def test_what_serves_8000_runs_in_one_lane_with_what_it_needs_and_the_rest_besid
     assert graph == list(range(graph[0], graph[-1] + 1)), "the graph group runs in one stretch"
     (serial,), after = doc_commands.lanes_of(list(quick), 1)
     assert sorted(serial) == sorted(quick) and after == []
+
+
+def test_the_lane_done_with_its_own_takes_the_others_entries_from_the_back(doc_commands):
+    """Each shared entry runs once: the second lane from the front, the :8000 lane from the
+    back once its own are done; an entry that needs another's output is left to the second."""
+    quick = [n for n, e in doc_commands.COMMANDS.items() if isinstance(e, doc_commands.Quick)]
+    (_, rest), _ = doc_commands.lanes_of(quick, 2)
+    shared = doc_commands.Shared(rest)
+    front: list[str] = []
+    back: list[str] = []
+    while True:  # the two lanes in turn
+        from_back = len(back) < len(front)
+        name = shared.take(back=from_back)
+        if name is None:
+            break
+        (back if from_back else front).append(name)
+    assert front + back[::-1] == rest and len(front) - len(back) in (0, 1)
+    assert "pytest -m vllm" in rest  # the real-vLLM tests run in a lane, not in turn
+
+    needing = doc_commands.Shared(["make help", "serve run configs/local-vllm.yaml"])
+    assert needing.take(back=True) is None  # it needs the tiny model: the second lane's
+    assert needing.take() == "make help"
