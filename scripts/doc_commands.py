@@ -1209,10 +1209,13 @@ class Graph:
         self.address = gcs_address(self.proc.pid)
 
     def stop(self) -> None:
+        """Everything in its session killed at once (``drain=False``): the group's last entry,
+        ``serve shutdown``, has taken its applications down, drained; a Ctrl-C would have
+        ``serve run`` wait 30 s more for the controller that command stopped."""
         from loadtest import local_graph
 
         if self.proc is not None:
-            local_graph.stop_graph(self.proc)
+            local_graph.stop_graph(self.proc, drain=False)
             self.proc = None
 
 
