@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from serve_app import errors
 
 # Batches a fed stream may hold here unread before its replica is asked to pause it, and the
-# number it resumes at. A batch is a frame or more: at the top, about what a handle stream held
-# (``stream_window.py``: 64 KiB).
+# number it resumes at. A batch is a frame or more (at most 64): ~16 KiB for a slow stream's
+# single frames, less than a handle stream's window (``stream_window.py``).
 BEHIND_ITEMS = 64
 CAUGHT_UP_ITEMS = 16
 
@@ -36,11 +36,12 @@ class FedStream:
         "_on_pause",
         "_paused",
         "_timer",
+        "_turns",
         "_waiter",
         "replica",
     )
 
-    def __init__(self, on_pause: Callable[[bool], None]) -> None:
+    def __init__(self, on_pause: Callable[[bool, int], None]) -> None:
         self.replica: str | None = None  # set once the first batch named it
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
@@ -49,6 +50,7 @@ class FedStream:
         self._last = self._loop.time()  # when the last batch came (or the stream started)
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
+        self._turns = 0  # pauses and resumes asked so far
         self._on_pause = on_pause
 
     def put(self, entry: object) -> None:
@@ -58,7 +60,8 @@ class FedStream:
         self._wake()
         if not self._paused and len(self._items) > BEHIND_ITEMS:
             self._paused = True
-            self._on_pause(True)
+            self._turns += 1
+            self._on_pause(True, self._turns)
 
     def fail(self, exc: BaseException) -> None:
         """The stream cannot go on (its feed or its handle failed): after what has come."""
@@ -100,7 +103,8 @@ class FedStream:
                     errors.raise_if_refused(entry)
                 if self._paused and len(items) <= CAUGHT_UP_ITEMS:
                     self._paused = False
-                    self._on_pause(False)
+                    self._turns += 1
+                    self._on_pause(False, self._turns)
                 yield entry
                 continue
             if self._failure is not None:

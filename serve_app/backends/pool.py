@@ -147,7 +147,7 @@ class PoolBackend(BridgedPool):
         self, body: dict, kind: Kind, request_id: str, budget_s: float | None = None
     ) -> AsyncIterator[list]:
         key = f"{next(self._keys):x}"
-        fed = FedStream(lambda paused: self._pause(fed, key, paused))
+        fed = FedStream(lambda paused, turn: self._pause(fed, key, paused, turn))
         self._fed[key] = fed
         gen = self._stream.stream.remote(body, kind, request_id, carrier(), self._feed_id, key)
         t = self.timeouts
@@ -266,14 +266,13 @@ class PoolBackend(BridgedPool):
                 if fed.replica == replica_id:
                     fed.fail(gone)
 
-    def _pause(self, fed: FedStream, key: str, paused: bool) -> None:
+    def _pause(self, fed: FedStream, key: str, paused: bool, turn: int) -> None:
         """Ask the stream's replica to pause (or resume) it, in the background."""
         if fed.replica is None:
             return
+        pin, args = f"feed-pause-{key}-{turn}", (self._feed_id, key, paused, turn)
         asyncio.get_running_loop().create_task(
-            self._pinned(
-                fed.replica, f"feed-pause-{key}", "feed_pause", 10.0, self._feed_id, key, paused
-            )
+            self._pinned(fed.replica, pin, "feed_pause", 10.0, *args)
         )
 
     def _note_unread_usage(self, request_id: str, fed: FedStream) -> None:

@@ -21,8 +21,12 @@ from collections.abc import Callable
 
 logger = logging.getLogger("ray.serve")
 
-# Per stream: ~280 frames of a chat stream, several seconds of the fastest one.
-STREAM_WINDOW_BYTES = 64 * 1024
+# Per stream: ~1,000 frames of a chat stream. A request's own stream carries its first batch
+# and little else once its gateway holds a feed open to the replica (``replica/feed.py``); the
+# feed carries every stream's frames, and its throughput is at most this window per round trip
+# of the two event loops: at 64 KiB a feed carrying 2,000 streams of 5 tokens/s (~2.5 MB/s)
+# stalled with the machine's load at 30 (``loadtest.concurrency``, docs/benchmarks.md).
+STREAM_WINDOW_BYTES = 256 * 1024
 OPTIONS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES))
 
 

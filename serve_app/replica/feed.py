@@ -26,6 +26,14 @@ FEED_IDLE_S = 5.0
 # meanwhile. A feed idle for longer sends its next frame at once (a lone stream's latency is
 # unchanged); a busy one adds at most this to a frame's way out.
 FLUSH_EVERY_S = 0.001
+# At most this many streams' batches in one item (a batch is at most ``STREAM_QUEUE_ITEMS``
+# frames): an item stays far below the 4 MiB a gateway's channel takes in one message
+# (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``), and a backlog goes as several.
+ITEM_ENTRIES = 512
+# Batches waiting to be sent, past which the feed's streams wait to add more (their engines'
+# output merges meanwhile, as for a reader that is behind): a feed its gateway is slow to take
+# (gRPC's flow control, a gateway starved of its core) holds this much here, not a generation.
+BACKLOG_ENTRIES = 4 * ITEM_ENTRIES
 
 
 class FeedClosed(Exception):
@@ -42,8 +50,11 @@ class Feed:
         self.closed = False
         self._pending: list[tuple[str, object]] = []
         self._wakeup = asyncio.Event()
+        self._room = asyncio.Event()  # set while the backlog is below ``BACKLOG_ENTRIES``
+        self._room.set()
         # Streams on this feed: the gate each waits at (set: flowing; clear: its reader paused).
         self.gates: dict[str, asyncio.Event] = {}
+        self._turns: dict[str, int] = {}  # the last pause or resume taken, per stream
 
     def join(self, key: str) -> asyncio.Event:
         gate = asyncio.Event()
@@ -53,19 +64,31 @@ class Feed:
 
     def leave(self, key: str) -> None:
         self.gates.pop(key, None)
+        self._turns.pop(key, None)
 
     def send(self, key: str, entry: object) -> None:
         if self.closed:
             raise FeedClosed(self.id)
         self._pending.append((key, entry))
         self._wakeup.set()
+        if len(self._pending) >= BACKLOG_ENTRIES:
+            self._room.clear()
 
-    def pause(self, key: str, paused: bool) -> bool:
+    async def room(self) -> None:
+        """Returns once the backlog has room (at once, mostly)."""
+        if not self._room.is_set():
+            await self._room.wait()
+
+    def pause(self, key: str, paused: bool, turn: int) -> bool:
         """The gateway's reader of ``key`` is behind (or caught up): its stream waits (or
-        goes on). False for a stream no longer here."""
+        goes on). ``turn`` counts the reader's changes: one that arrives after a later one
+        (two calls may overtake each other) changes nothing. False for a stream not here."""
         gate = self.gates.get(key)
         if gate is None:
             return False
+        if turn <= self._turns.get(key, 0):
+            return True
+        self._turns[key] = turn
         if paused:
             gate.clear()
         else:
@@ -74,6 +97,7 @@ class Feed:
 
     def close(self) -> None:
         self.closed = True
+        self._room.set()
         for gate in self.gates.values():
             gate.set()  # a paused stream wakes to find its feed gone
 
@@ -95,6 +119,8 @@ class Feed:
             wait = flushed + FLUSH_EVERY_S - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
-            batch, self._pending = self._pending, []
+            batch, self._pending = self._pending[:ITEM_ENTRIES], self._pending[ITEM_ENTRIES:]
+            if len(self._pending) < BACKLOG_ENTRIES:
+                self._room.set()
             flushed = loop.time()
             yield batch

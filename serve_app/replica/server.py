@@ -231,6 +231,7 @@ class Replica:
                             if batch:
                                 yield batch
                         elif batch:
+                            await feed.room()  # a feed backed up holds the stream here
                             feed.send(feed_key, batch)
                         if ended:
                             if feed is not None:
@@ -286,6 +287,7 @@ class Replica:
         feed_id: str,
         feed_key: str,
         paused: bool,
+        turn: int,
         *,
         replica_id: str | None = None,
         request_id: str | None = None,
@@ -296,7 +298,7 @@ class Replica:
         if replica_id is not None and replica_id != self.replica_id:
             return None
         feed = self._feeds.get(feed_id)
-        return None if feed is None else feed.pause(feed_key, paused)
+        return None if feed is None else feed.pause(feed_key, paused, turn)
 
     async def complete(
         self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None

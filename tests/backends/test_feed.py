@@ -231,7 +231,7 @@ async def test_an_idle_feed_ends_and_the_next_stream_opens_it_again(monkeypatch)
 
 
 async def test_a_fed_stream_silent_past_its_idle_timeout_is_a_504():
-    fed = FedStream(lambda paused: None)
+    fed = FedStream(lambda paused, turn: None)
     fed.put([b"data: {}\n\n"])
     loop = asyncio.get_running_loop()
     batches = fed.batches(idle_s=0.05, deadline=loop.time() + 10)
@@ -244,7 +244,7 @@ async def test_a_fed_stream_silent_past_its_idle_timeout_is_a_504():
 
 
 async def test_a_fed_stream_past_its_deadline_is_a_504_however_steady():
-    fed = FedStream(lambda paused: None)
+    fed = FedStream(lambda paused, turn: None)
     loop = asyncio.get_running_loop()
     batches = fed.batches(idle_s=10, deadline=loop.time() + 0.2)
 
@@ -264,3 +264,39 @@ async def test_a_fed_stream_past_its_deadline_is_a_504_however_steady():
             await feeder
         fed.close()
     assert info.value.status == 504 and "finish in time" in info.value.message
+
+
+async def test_a_resume_that_overtakes_its_pause_leaves_the_stream_flowing():
+    """Two pinned calls may arrive out of order; the later turn wins either way."""
+    feed = replica_feed.Feed("g")
+    gate = feed.join("k")
+
+    assert feed.pause("k", False, 2)  # the resume, first
+    assert feed.pause("k", True, 1)  # then the pause it overtook: ignored
+    assert gate.is_set()
+    assert feed.pause("k", True, 3)
+    assert not gate.is_set()
+    assert not feed.pause("gone", True, 1)  # a stream not here
+
+
+async def test_a_feed_its_gateway_does_not_take_holds_its_streams_back_not_their_frames(
+    monkeypatch,
+):
+    monkeypatch.setattr(replica_feed, "ITEM_ENTRIES", 3)
+    monkeypatch.setattr(replica_feed, "BACKLOG_ENTRIES", 6)
+    feed = replica_feed.Feed("g")
+    feed.join("k")
+    for n in range(6):
+        await feed.room()
+        feed.send("k", [n])
+    waiting = asyncio.ensure_future(feed.room())  # the seventh waits: the backlog is full
+    await asyncio.sleep(0)
+    assert not waiting.done()
+
+    items = feed.items()
+    first = await anext(items)  # the gateway takes one item, at most ITEM_ENTRIES long
+
+    assert first == [("k", [0]), ("k", [1]), ("k", [2])]
+    await asyncio.wait_for(waiting, 1)  # room again
+    assert await anext(items) == [("k", [3]), ("k", [4]), ("k", [5])]
+    await items.aclose()
