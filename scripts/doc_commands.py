@@ -25,17 +25,17 @@ it exits 1 if any failed. Groups, run in this order:
 - ``graph``: against one ``serve run configs/local.yaml`` that ``--run`` starts for the group
   (``loadtest.local_graph``, as the demo and the local gate start theirs) and stops after it;
 - ``vllm``: in ``.ci/vllm``'s cached vLLM virtualenv and tiny model (skipped, saying so, where
-  it has not been built: ``.ci/run`` runs ``.ci/vllm --prepare`` first), ``pytest -m vllm``
-  among them.
+  it has not been built: ``.ci/run`` runs ``.ci/vllm`` first).
 
 They run in two lanes at once (``--lanes 1``: one after another). Most of a drill's time is
 waiting (Ray and Serve starting, rolling, draining: a quick drill kept the two cores ~27 %
 busy), so two at a time take little more than one. One lane owns :8000 and :8265: the graph
 group and every entry that serves them itself (``serves_8000``), in turn; the other runs the
 rest, each on ports of its own, from the front of their list, and the first, done with its
-own, takes the rest's from the back, so the two lanes end together. The graph group's
-commands that find their cluster by Ray's ``auto`` (which finds every Ray on the machine, maybe
-another lane's too) are given the graph's own address in ``RAY_ADDRESS``, with its token mode.
+own, takes the rest's (not the vLLM ones) from the back, so the two lanes end together. The
+graph group's commands that find their cluster by Ray's ``auto`` (which finds every Ray on the
+machine, maybe another lane's too) are given the graph's own address in ``RAY_ADDRESS``, with
+its token mode.
 An entry whose ``--check`` claim depends on throughput (``alone``) runs after the lanes, by
 itself.
 
@@ -525,6 +525,7 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
     "pip install": Elsewhere(".ci/run step 1 (`pip install -e '.[dev]'`); .ci/deploy, .ci/vllm"),
     "pytest": Elsewhere(".ci/run step 1: the README's test command, exactly"),
     "pytest -m slow": Elsewhere(".ci/run step 2"),
+    "pytest -m vllm": Elsewhere(".ci/vllm runs `pytest -m vllm tests/vllm` in the vLLM venv"),
     "pytest tests/e2e/test_fuzz.py": Elsewhere(
         "the default run (.ci/run step 1) runs it at 20 cases per operation and mode; the "
         "documented FORGE_FUZZ_EXAMPLES=500 pass is the same test, longer (~5 min)"
@@ -904,15 +905,6 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
         serves_8000=True,
         needs="python -m serve_app.tools.tiny_model",  # the model it serves
     ),
-    "pytest -m vllm": quick(
-        "env FORGE_TINY_MODEL={tiny_model} {vllm_bin}/pytest -m vllm tests/vllm",
-        timeout=900,
-        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-        group="vllm",
-        note="the real-vLLM tests, as `.ci/vllm` runs them alone; here in the lane beside the "
-        ":8000 one (their own Ray, ports and no dashboard), after `.ci/vllm --prepare` built "
-        "the venv and the model (.ci/run step 3)",
-    ),
     "python -m loadtest.vllm_overhead": quick(
         "{vllm_python} -m loadtest.vllm_overhead --model {tiny_model} --requests 5"
         " --out {tmp}/vllm_overhead.json",
@@ -1249,8 +1241,11 @@ def lanes_of(names: list[str], lanes: int) -> tuple[list[list[str]], list[str]]:
 
 class Shared:
     """The second lane's entries, in order. That lane takes them from the front; the lane that
-    owns :8000, once its own are done, takes from the back, so the two end together. None of
-    them serves :8000; one that needs another's output is left to the second lane."""
+    owns :8000, once its own are done, takes the last of the group ``own`` left, so the two end
+    together. None of them serves :8000; the vLLM ones stay in the second lane, in turn (two
+    vLLM engines starting at once on two cores: the :8000 lane's `serve run` of
+    configs/local-vllm.yaml found no primary within 240 s beside the vLLM tests), as does one
+    that needs another's output."""
 
     def __init__(self, names: list[str]) -> None:
         self._names = list(names)
@@ -1258,9 +1253,13 @@ class Shared:
 
     def take(self, back: bool = False) -> str | None:
         with self._lock:
-            if not self._names or (back and COMMANDS[self._names[-1]].needs is not None):
-                return None
-            return self._names.pop(-1 if back else 0)
+            if not back:
+                return self._names.pop(0) if self._names else None
+            for i in range(len(self._names) - 1, -1, -1):
+                entry = COMMANDS[self._names[i]]
+                if entry.group == "own" and entry.needs is None:
+                    return self._names.pop(i)
+            return None
 
 
 class _Lane:
