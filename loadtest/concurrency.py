@@ -688,9 +688,11 @@ def _part(frame: str) -> str | None:
     return None
 
 
-def profile_shares(raw: str, top: int = 20) -> dict:
+def profile_shares(raw: str, top: int = 20, part_of=None) -> dict:
     """py-spy's raw (collapsed) stacks as shares of the samples: per part, the samples with a
-    frame of it anywhere (inclusive), and the samples whose innermost known part it is (self)."""
+    frame of it anywhere (inclusive), and the samples whose innermost known part it is (self).
+    ``part_of`` names a frame's part (``_part`` unless given)."""
+    part_of = part_of or _part
     inclusive: Counter[str] = Counter()
     leaf: Counter[str] = Counter()
     total = 0
@@ -700,7 +702,7 @@ def profile_shares(raw: str, top: int = 20) -> dict:
             continue
         n = int(count)
         total += n
-        parts = [p for p in (_part(f) for f in stack.split(";")) if p]
+        parts = [p for p in (part_of(f) for f in stack.split(";")) if p]
         for part in set(parts):
             inclusive[part] += n
         leaf[parts[-1] if parts else "other"] += n
