@@ -1262,6 +1262,23 @@ class Shared:
             return None
 
 
+# Serve gives each replica that serves HTTP itself (direct ingress) a port of its own, from
+# 30000 and 40000 up, counting only its own Ray instance's: two lanes' instances starting at
+# once pick the same ports, and a replica whose port the other holds fails to start and is
+# started again on the next (Serve then blocks that port). The suspected cause, not proven, of
+# CI's clean-clone run losing a `loadtest.overhead` server and `slow_readers`' HAProxy at start
+# (2026-12-06, load 10-50). The second lane's instances count from 30500 and 40500; the first
+# keeps Serve's defaults, as the README's `serve run` has them.
+LANE_PORTS = {
+    2: {
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30500",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30999",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40500",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40999",
+    }
+}
+
+
 class _Lane:
     """One lane's entries in turn; the graph group's graph started before its first entry and
     stopped after its last. Then, from ``shared``, what the other lane has not yet started."""
@@ -1295,7 +1312,7 @@ class _Lane:
         if entry.group == "vllm" and not (run.venv / "bin" / "python").exists():
             self.result(name, 0.0, f"SKIP: no vLLM venv at {run.venv} (.ci/vllm builds it)")
             return
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(LANE_PORTS.get(self.number, {}))
         if entry.group == "graph":
             if self.graph is None and not self._start_graph():
                 return
