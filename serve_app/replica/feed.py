@@ -26,10 +26,12 @@ FEED_IDLE_S = 5.0
 # meanwhile. A feed idle for longer sends its next frame at once (a lone stream's latency is
 # unchanged); a busy one adds at most this to a frame's way out.
 FLUSH_EVERY_S = 0.001
-# At most this many streams' batches in one item (a batch is at most ``STREAM_QUEUE_ITEMS``
-# frames): an item stays far below the 4 MiB a gateway's channel takes in one message
-# (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``), and a backlog goes as several.
+# At most this many streams' batches in one item, and about this many bytes of frames (a
+# batch is at most ``STREAM_QUEUE_ITEMS`` frames): an item stays well below the 4 MiB a
+# gateway's channel takes in one message (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``), and
+# a backlog goes as several.
 ITEM_ENTRIES = 512
+ITEM_BYTES = 1 << 20
 # Batches waiting to be sent, past which the feed's streams wait to add more (their engines'
 # output merges meanwhile, as for a reader that is behind): a feed its gateway is slow to take
 # (gRPC's flow control, a gateway starved of its core) holds this much here, not a generation.
@@ -49,6 +51,7 @@ class Feed:
         self.id = feed_id
         self.closed = False
         self._pending: list[tuple[str, object]] = []
+        self._sizes: list[int] = []  # each pending entry's frames, in bytes
         self._wakeup = asyncio.Event()
         self._room = asyncio.Event()  # set while the backlog is below ``BACKLOG_ENTRIES``
         self._room.set()
@@ -70,6 +73,9 @@ class Feed:
         if self.closed:
             raise FeedClosed(self.id)
         self._pending.append((key, entry))
+        self._sizes.append(
+            sum(len(x) for x in entry if type(x) is bytes) if type(entry) is list else 0
+        )
         self._wakeup.set()
         if len(self._pending) >= BACKLOG_ENTRIES:
             self._room.clear()
@@ -119,7 +125,13 @@ class Feed:
             wait = flushed + FLUSH_EVERY_S - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
-            batch, self._pending = self._pending[:ITEM_ENTRIES], self._pending[ITEM_ENTRIES:]
+            count, size = 0, 0
+            for entry_size in self._sizes:
+                if count and (count == ITEM_ENTRIES or size + entry_size > ITEM_BYTES):
+                    break
+                count, size = count + 1, size + entry_size
+            batch = self._pending[:count]
+            del self._pending[:count], self._sizes[:count]
             if len(self._pending) < BACKLOG_ENTRIES:
                 self._room.set()
             flushed = loop.time()

@@ -300,3 +300,17 @@ async def test_a_feed_its_gateway_does_not_take_holds_its_streams_back_not_their
     await asyncio.wait_for(waiting, 1)  # room again
     assert await anext(items) == [("k", [3]), ("k", [4]), ("k", [5])]
     await items.aclose()
+
+
+async def test_a_feed_item_stays_within_its_byte_bound_however_many_batches_wait(monkeypatch):
+    monkeypatch.setattr(replica_feed, "ITEM_BYTES", 1_000)
+    feed = replica_feed.Feed("g")
+    feed.join("k")
+    for _ in range(5):
+        feed.send("k", [b"x" * 400])  # 2,000 bytes waiting: more than one item's worth
+
+    items = feed.items()
+    sizes = [sum(len(f) for _, e in await anext(items) for f in e) for _ in range(3)]
+
+    assert sizes == [800, 800, 400]
+    await items.aclose()
