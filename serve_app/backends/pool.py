@@ -35,7 +35,8 @@ logger = logging.getLogger("ray.serve")
 _UNAVAILABLE = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
 
 
-def _as_forge_error(exc: BaseException) -> errors.ForgeError:
+def as_forge_error(exc: BaseException) -> errors.ForgeError:
+    """What a client is told of an exception a pool call raised (or a fed stream met)."""
     if isinstance(exc, errors.ForgeError):
         return errors.ForgeError(
             exc.status,
@@ -96,7 +97,7 @@ async def _watch(gen, fed: FedStream) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        fed.fail(_as_forge_error(exc))
+        fed.fail(as_forge_error(exc))
 
 
 def pool_timeouts(pool: PoolConfig) -> Timeouts:
@@ -186,7 +187,7 @@ class PoolBackend(BridgedPool):
         except errors.ForgeError:
             raise
         except Exception as exc:  # Ray's errors, TaskCancelledError included, are Exceptions
-            raise _as_forge_error(exc) from exc
+            raise as_forge_error(exc) from exc
         finally:
             self._fed.pop(key, None)
             fed.close()
@@ -217,7 +218,7 @@ class PoolBackend(BridgedPool):
             raise errors.upstream_timeout("The model did not finish answering in time.") from None
         except Exception as exc:
             _cancel(response)
-            raise _as_forge_error(exc) from exc
+            raise as_forge_error(exc) from exc
         errors.raise_if_refused(answer)
         return answer
 

@@ -28,8 +28,9 @@ from ray import serve
 from ray.serve.metrics import Gauge
 
 from serve_app import errors
+from serve_app.backends.pool import as_forge_error
 from serve_app.config.models import PoolConfig, TracingConfig
-from serve_app.engines.base import Engine, EngineError, Kind, Usage
+from serve_app.engines.base import Engine, Kind, Usage
 from serve_app.kvcache.curve import curve_keys
 from serve_app.kvcache.events import KvEventPublisher
 from serve_app.replica.faults import FaultInjector, FaultSpec
@@ -76,16 +77,6 @@ def build_engine(pool: PoolConfig, kv_events: KvEventPublisher | None = None) ->
             adapters=pool.adapters,
         )
     raise ValueError(f"unknown engine kind {pool.engine.kind!r}")
-
-
-def _as_stream_error(exc: Exception) -> errors.ForgeError:
-    """What a fed stream's reader is told when its generation failed after it started: what a
-    handle stream's caller makes of the exception (``backends/pool.py``)."""
-    if isinstance(exc, errors.ForgeError):
-        return exc
-    if isinstance(exc, EngineError):
-        return errors.bad_gateway(f"The model replica failed: {exc}")
-    return errors.bad_gateway()
 
 
 def _node_address() -> str:
@@ -244,9 +235,9 @@ class Replica:
                     if feed is None or first or feed.closed:
                         raise
                     # Its reader is at the other end of the feed: the error goes in order,
-                    # after the frames before it.
+                    # after the frames before it, as the gateway makes it of a handle's.
                     span.set_attribute("forge.error", type(exc).__name__)
-                    feed.send(feed_key, errors.refusal_item(_as_stream_error(exc)))
+                    feed.send(feed_key, errors.refusal_item(as_forge_error(exc)))
                 finally:
                     # Caller gone (client disconnect, cancel) or done: abort and free the slot now.
                     generation.end()

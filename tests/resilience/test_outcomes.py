@@ -8,7 +8,7 @@ from ray.serve.exceptions import BackPressureError
 
 from serve_app import errors
 from serve_app.backends.fallback import _upstream_error
-from serve_app.backends.pool import _as_forge_error
+from serve_app.backends.pool import as_forge_error
 from serve_app.engines.base import EngineError
 from serve_app.resilience.breaker import Outcome
 from serve_app.resilience.outcomes import classify, retryable
@@ -25,7 +25,7 @@ from serve_app.resilience.outcomes import classify, retryable
     ],
 )
 def test_pool_errors_become_statuses_and_breaker_outcomes(raised, status, outcome):
-    err = _as_forge_error(raised)
+    err = as_forge_error(raised)
     assert err.status == status and classify(err) is outcome
     assert retryable(err) is (status >= 500)
 
