@@ -130,6 +130,7 @@ class PoolBackend(BridgedPool):
         self._keys = itertools.count()
         # Usage that came over a feed for a stream its client left first (``abandoned_usage``).
         self._unread_usage: dict[str, dict] = {}
+        self._tasks: set[asyncio.Task] = set()  # watchers and pause calls (``_background``)
 
     def wake(self) -> None:
         """Wake a pool scaled to zero: one call that waits at the handle makes Serve's
@@ -179,7 +180,7 @@ class PoolBackend(BridgedPool):
                 finished = True
                 return
             # The rest comes over the feed; the handle's own end (or error) is watched beside.
-            watcher = loop.create_task(_watch(gen, fed))
+            watcher = self._background(_watch(gen, fed))
             yield first
             async for batch in fed.batches(t.idle_s, deadline):
                 yield batch
@@ -272,9 +273,14 @@ class PoolBackend(BridgedPool):
         if fed.replica is None:
             return
         pin, args = f"feed-pause-{key}-{turn}", (self._feed_id, key, paused, turn)
-        asyncio.get_running_loop().create_task(
-            self._pinned(fed.replica, pin, "feed_pause", 10.0, *args)
-        )
+        self._background(self._pinned(fed.replica, pin, "feed_pause", 10.0, *args))
+
+    def _background(self, coroutine) -> asyncio.Task:
+        """A task kept referenced until it ends (the loop holds only weak references)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def _note_unread_usage(self, request_id: str, fed: FedStream) -> None:
         usage = fed.unread_usage()
