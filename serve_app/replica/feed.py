@@ -20,8 +20,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-# A feed no stream used for this long ends; the gateway opens another when it needs one.
-FEED_IDLE_S = 5.0
+# A feed no stream used for this long ends; the gateway opens another when it needs one. Short:
+# Serve counts a feed as an ongoing request, so a replica being replaced or scaled down waits
+# this long past its last stream, and autoscaling sees it; reopening costs one handle call, and
+# a gateway with a stream there at least once a second keeps its feed.
+FEED_IDLE_S = 1.0
 # Under load, at most one item a millisecond: each carries every frame that became ready
 # meanwhile. A feed idle for longer sends its next frame at once (a lone stream's latency is
 # unchanged); a busy one adds at most this to a frame's way out.
