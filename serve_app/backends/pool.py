@@ -90,10 +90,11 @@ async def _assigned(response) -> None:
 
 async def _watch(gen, fed: FedStream) -> None:
     """A fed stream's handle: it ends once the replica sent the stream's end over the feed, or
-    fails (the replica died, the call was refused); a failure reaches the stream's reader."""
+    fails (the replica died, the call was refused); a failure reaches the stream's reader.
+    It carries nothing after the first batch (``Replica._stream``)."""
     try:
-        async for batch in gen:
-            fed.put(batch)  # not sent while fed; kept in order if it ever is
+        async for _ in gen:
+            pass
     except asyncio.CancelledError:
         raise
     except Exception as exc:

@@ -24,8 +24,10 @@ logger = logging.getLogger("ray.serve")
 # Per stream: ~1,000 frames of a chat stream. A request's own stream carries its first batch
 # and little else once its gateway holds a feed open to the replica (``replica/feed.py``); the
 # feed carries every stream's frames, and its throughput is at most this window per round trip
-# of the two event loops: at 64 KiB a feed carrying 2,000 streams of 5 tokens/s (~2.5 MB/s)
-# stalled with the machine's load at 30 (``loadtest.concurrency``, docs/benchmarks.md).
+# of the two event loops: ~2.5 MB/s for 2,000 streams of 5 tokens/s, which a 64 KiB window
+# carries only while both loops answer within ~25 ms. (A feed at 64 KiB, its items not yet
+# bounded, stalled with the machine's load at 30: docs/benchmarks.md, "Feeds"; which of the
+# two caused it was not measured.)
 STREAM_WINDOW_BYTES = 256 * 1024
 OPTIONS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES))
 
