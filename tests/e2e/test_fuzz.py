@@ -193,9 +193,9 @@ def fuzz_log() -> Iterator[FuzzLog]:
 
 
 @pytest.fixture(scope="module")
-def books() -> Books:
+def books(forge_url, metrics_port) -> Books:
     """Before the fuzz tenant's first request (its token bucket starts full)."""
-    return Books.open()
+    return Books.open(metrics_port)
 
 
 @pytest.fixture(scope="module")

@@ -56,9 +56,9 @@ LIMITS = GatewayConfig.model_validate(forge_args(0, None)["gateway"])
 
 
 @pytest.fixture(scope="module")
-def books() -> Books:
+def books(forge_url, metrics_port) -> Books:
     """Before the module's first request as the hostile tenant (its bucket starts full)."""
-    return Books.open()
+    return Books.open(metrics_port)
 
 
 @pytest.fixture(scope="module")
@@ -1145,16 +1145,35 @@ class Books:
     books are judged on every run."""
 
     started: float
+    metrics_port: int
+    # Reserves that failed or were skipped (``forge_store_errors_total{op="reserve"}``), any
+    # tenant's, at the start: each such request is served and charged on a gateway replica's
+    # local share (fail soft), which the shared bucket read here does not show.
+    local_reserves: float
 
     @classmethod
-    def open(cls) -> Books:
-        return cls(time.monotonic())
+    def open(cls, metrics_port: int) -> Books:
+        return cls(time.monotonic(), metrics_port, _local_reserves(metrics_port))
+
+    def went_local(self) -> bool:
+        """A reserve has met a slow or lost store since the start (Redis answers within 50 ms
+        or the request goes to a local share; seen once on a machine at load ~20)."""
+        return _local_reserves(self.metrics_port) > self.local_reserves
+
+
+def _local_reserves(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ray_forge_store_errors_total{") and 'op="reserve"' in line
+    )
 
 
 def assert_tenant_whole(url: str, tenant: str, books: Books) -> None:
     """Its whole stream cap, and the token budget its metered usage leaves."""
     assert_full_stream_cap(url, tenant)
-    assert_token_books_balance(url, tenant, since=books.started)
+    assert_token_books_balance(url, tenant, books)
 
 
 def assert_full_stream_cap(url: str, tenant: str) -> None:
@@ -1187,10 +1206,12 @@ def assert_full_stream_cap(url: str, tenant: str) -> None:
     eventually(cap_is_free, timeout_s=10, interval_s=0.5, what=f"{tenant}'s {cap} stream leases")
 
 
-def assert_token_books_balance(url: str, tenant: str, *, since: float) -> None:
+def assert_token_books_balance(url: str, tenant: str, books: Books) -> None:
     """The tenant's token bucket holds its burst less what metering charged it: a reservation
     never settled (or refunded twice) would show. The bucket refills ``tpm / 60`` a second, so
-    since its first use it may hold that much more; metering writes within a second or two."""
+    since its first use it may hold that much more; metering writes within a second or two.
+    Where a reserve went to a local share meanwhile, what was charged there is metered but not
+    in this bucket: the bucket may then hold more, never less (nothing charged twice)."""
     limits = LIMITED_TENANTS[tenant]
     burst, refill_per_s = limits["burst_tokens"], limits["tpm"] / 60
     seen: list[dict] = []
@@ -1198,9 +1219,10 @@ def assert_token_books_balance(url: str, tenant: str, *, since: float) -> None:
     def balanced() -> bool:
         charged = _metered_tokens(url, tenant)
         spent = burst - _token_level(url, tenant, burst)
-        slack = refill_per_s * (time.monotonic() - since) + 1
-        seen[:] = [{"charged": charged, "spent": spent, "slack": round(slack, 1)}]
-        return charged - slack <= spent <= charged + 1
+        slack = refill_per_s * (time.monotonic() - books.started) + 1
+        local = books.went_local()
+        seen[:] = [{"charged": charged, "spent": spent, "slack": round(slack, 1), "local": local}]
+        return (local or charged - slack <= spent) and spent <= charged + 1
 
     eventually(
         balanced,

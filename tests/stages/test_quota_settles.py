@@ -117,7 +117,8 @@ async def test_a_refund_meeting_a_store_failure_is_retried_and_applied_once(how)
     stage = stage_over(store)
     await served_one(stage, t)
     tokens, streams = await levels(store, t)
-    assert tokens == pytest.approx(10_000 - 50, abs=1), "charged exactly the 50 used, once"
+    # The 50 used, once; the bucket refills ~1 token per 6 ms on the real clock meanwhile.
+    assert 10_000 - 50 - 1 <= tokens <= 10_000 - 50 + 25, "charged the 50 used, once"
     assert streams == 0
 
 
@@ -145,7 +146,9 @@ async def test_a_reserve_unanswered_is_undone_and_the_request_charged_once_local
     assert {"op": "reserve"} in metrics.store_errors.calls
     assert await levels(store, t) == (pytest.approx(10_000, abs=1), 0)
     (local_tokens,) = await stage.local_store.peek([stage.local_quotas[t.name].tokens])
-    assert local_tokens == pytest.approx(10_000 - 50, abs=1)
+    # Charged once (50): not twice (9,900), not never (10,000). The share refills at ~167
+    # tokens/s on the real clock meanwhile, one token per 6 ms a loaded machine may take here.
+    assert 10_000 - 50 - 1 <= local_tokens <= 10_000 - 50 + 25
 
 
 async def test_a_client_leaving_during_the_lease_call_leaves_nothing_taken():
