@@ -1465,6 +1465,12 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in args.only]
     if args.group:
         names = [n for n in names if COMMANDS[n].group in args.group]
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started in the background of a shell (`cmd &`, nohup): SIGINT ignored, which every step
+        # would inherit, and a bash script cannot even trap a signal ignored when it started, so
+        # the Ctrl-C its entry ends with would never reach it (scripts/prometheus-local.sh, seen:
+        # killed after the 90 s grace). A terminal's user has it; so do the steps.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return run(names, args.tmp, keep_going=not args.stop_on_failure, lanes=args.lanes)
 
 
