@@ -52,6 +52,11 @@ gateway's CPU is the limit):
   a stream holds a socket in the client, two in HAProxy and one in the gateway);
 - the client has no pool to raise: a socket per stream, opened on schedule.
 
+**Where the delay grows** (``--hops DIR``): Forge notes each stamped frame's delay at each hop
+of a fed stream's path (``serve_app/hop_delays.py``: into the replica's feed, out of it, off the
+feed at the gateway, taken by the gateway's server), and each row gets every hop's p50 / p99
+over its window beside the client's.
+
 **The knee**: the first N where added inter-token latency p99 is over 5 ms, or any stream
 failed (refused, cut, or no first token by the window's end). Results:
 ``loadtest/results/concurrency.json`` and ``concurrency.png``; docs/benchmarks.md
@@ -84,6 +89,7 @@ import orjson
 
 from loadtest import litellm_proxy, overhead
 from loadtest.serve_forge import BENCH_KEY
+from serve_app import hop_delays
 from serve_app.engines.paced import STAMP
 
 STEPS = [100, 500, 1000, 2000, 5000]
@@ -419,6 +425,7 @@ class Settings:
     litellm_venv: Path = field(default=litellm_proxy.DEFAULT_VENV)
     profile_dir: Path | None = None  # py-spy's record of the gateway in each window, if set
     py_spy: str = "py-spy"
+    hops_dir: Path | None = None  # Forge's delay at each hop (serve_app/hop_delays.py), if set
 
     def tokens(self, streams: int) -> int:
         """Each stream's length: past its step's window by a few seconds."""
@@ -484,6 +491,10 @@ def start_target(name: str, settings: Settings) -> Target:
             if settings.via == "haproxy"
             else {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
         )
+        if settings.hops_dir is not None:
+            shutil.rmtree(settings.hops_dir, ignore_errors=True)
+            settings.hops_dir.mkdir(parents=True)
+            env["FORGE_HOP_DELAYS"] = str(settings.hops_dir)
         server = overhead.Server(argv, env=env, cpus=str(OTHER_CORE))
         try:
             proxy, direct_ingress = server.read_ready()
@@ -611,8 +622,26 @@ def run_step(target: Target, streams: int, settings: Settings) -> dict:
     row["load_avg_after"] = [round(v, 2) for v in os.getloadavg()]
     if profile is not None and profile.exists():
         row["profile"] = {"file": str(profile), **profile_shares(profile.read_text())}
+    if settings.hops_dir is not None and target.name == "forge":
+        row["hops"] = hop_table(hop_delays.read(settings.hops_dir, *window), row)
+        print(json.dumps({"streams": streams, "hops": row["hops"]}), flush=True)
     print(json.dumps(_brief(row)), flush=True)
     return row
+
+
+def hop_table(delays: dict[str, list[float]], row: dict) -> dict[str, dict]:
+    """Each hop's delay p50 / p99 (ms) over the window, in the path's order, the client's last:
+    where along the way a frame's delay grew."""
+    hops = {}
+    for hop in hop_delays.HOPS:
+        if values := sorted(delays.get(hop, ())):
+            hops[hop] = {
+                "p50_ms": round(1000 * percentile(values, 50), 2),
+                "p99_ms": round(1000 * percentile(values, 99), 2),
+                "frames": len(values),
+            }
+    hops["client"] = {"p50_ms": row.get("delay_p50_ms"), "p99_ms": row.get("delay_p99_ms")}
+    return hops
 
 
 def _brief(row: dict) -> dict:
@@ -805,6 +834,13 @@ def main(argv: list[str] | None = None) -> int:
         "directory; the rows then carry its shares (py-spy costs the machine a little CPU)",
     )
     parser.add_argument("--py-spy", default="py-spy", help="py-spy's executable")
+    parser.add_argument(
+        "--hops",
+        type=Path,
+        default=None,
+        help="Forge notes each stamped frame's delay at each hop of its path into this "
+        "directory (serve_app/hop_delays.py); the rows then carry each hop's p50 / p99",
+    )
     parser.add_argument("--out", default="loadtest/results/concurrency.json")
     parser.add_argument("--png", default=None, help="the plot (default: beside --out)")
     args = parser.parse_args(argv)
@@ -821,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         args.litellm_venv,
         args.profile,
         args.py_spy,
+        args.hops,
     )
     _raise_open_files()  # the servers inherit it
     os.sched_setaffinity(0, {OTHER_CORE})

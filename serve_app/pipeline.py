@@ -20,7 +20,7 @@ from opentelemetry.trace import Tracer
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from serve_app import errors
+from serve_app import errors, hop_delays
 from serve_app.config.models import TenantConfig
 from serve_app.engines.base import Kind
 
@@ -159,9 +159,12 @@ class EventStream(StreamingResponse):
         self._called = False
 
     async def _relay(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        timed = hop_delays.DIR is not None
         try:
             async for chunk in content:
-                yield chunk
+                yield chunk  # back here once the server has taken it
+                if timed:
+                    hop_delays.note(hop_delays.WRITTEN, chunk)
             self._completed = True
         finally:
             await content.aclose()

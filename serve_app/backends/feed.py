@@ -14,7 +14,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from serve_app import errors
+from serve_app import errors, hop_delays
 
 # Batches a fed stream may hold here unread before its replica is asked to pause it, and the
 # number it resumes at. A batch is a frame or more (at most 64): ~16 KiB for a slow stream's
@@ -142,7 +142,10 @@ class FedStream:
 
 def demultiplex(batch: list, streams: dict[str, FedStream]) -> None:
     """One feed item: each ``(key, entry)`` to its stream (a stream already gone drops it)."""
+    timed = hop_delays.DIR is not None
     for key, entry in batch:
+        if timed:
+            hop_delays.note(hop_delays.GATEWAY_IN, entry)
         stream = streams.get(key)
         if stream is not None:
             stream.put(entry)

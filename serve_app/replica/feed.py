@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from serve_app import hop_delays
+
 # A feed no stream used for this long ends; the gateway opens another when it needs one. Short:
 # Serve counts a feed as an ongoing request, so a replica being replaced or scaled down waits
 # this long past its last stream, and autoscaling sees it; reopening costs one handle call, and
@@ -76,6 +78,8 @@ class Feed:
         if self.closed:
             raise FeedClosed(self.id)
         self._pending.append((key, entry))
+        if hop_delays.DIR is not None:
+            hop_delays.note(hop_delays.INTO_FEED, entry)
         self._sizes.append(
             sum(len(x) for x in entry if type(x) is bytes) if type(entry) is list else 0
         )
@@ -138,4 +142,7 @@ class Feed:
             if len(self._pending) < BACKLOG_ENTRIES:
                 self._room.set()
             flushed = loop.time()
+            if hop_delays.DIR is not None:
+                for _, entry in batch:
+                    hop_delays.note(hop_delays.FEED_OUT, entry)
             yield batch

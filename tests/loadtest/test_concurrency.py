@@ -4,6 +4,7 @@ from the engine's stamps, the client's parsing of them, and the knee rule."""
 from __future__ import annotations
 
 import math
+import time
 
 from loadtest.concurrency import (
     StreamClock,
@@ -97,3 +98,36 @@ def test_the_knee_is_the_first_step_over_5_ms_or_with_an_error():
 def test_memory_per_stream_counts_the_streams_held_not_the_refused():
     assert rss_per_stream_kib(200.0, 100.0, streams=1000, errors=0) == 102.4
     assert rss_per_stream_kib(200.0, 100.0, streams=1000, errors=500) == 204.8
+
+
+def test_each_hop_keeps_the_delay_of_the_stamps_that_reached_it_and_the_window_picks_them(
+    tmp_path, monkeypatch
+):
+    from loadtest.concurrency import hop_table
+    from serve_app import hop_delays
+
+    monkeypatch.setattr(hop_delays, "DIR", str(tmp_path))
+    now = time.monotonic()
+    # A feed item's batch: two frames (one with the first token's arrival stamp) and usage.
+    batch = [
+        _frame(stamp(ARRIVED, now - 0.5) + stamp(SENT, now - 0.004)),
+        _frame(stamp(SENT, now - 0.002)),
+        {"usage": {"completion_tokens": 2}},
+    ]
+    hop_delays.note(hop_delays.FEED_OUT, batch)
+    hop_delays.note(hop_delays.WRITTEN, _frame(stamp(SENT, now - 0.010)))
+    hop_delays.flush()
+    later = time.monotonic()
+    hop_delays.note(hop_delays.WRITTEN, _frame(stamp(SENT, later - 0.5)))  # after the window
+    hop_delays.flush()
+
+    delays = hop_delays.read(tmp_path, now - 1, later)
+    assert sorted(delays) == sorted([hop_delays.FEED_OUT, hop_delays.WRITTEN])
+    # Only the engine's send stamps count, each with the time it took to get here.
+    assert [round(d * 1000) for d in sorted(delays[hop_delays.FEED_OUT])] == [2, 4]
+    assert [round(d * 1000) for d in delays[hop_delays.WRITTEN]] == [10]
+
+    hops = hop_table(delays, {"delay_p50_ms": 11.0, "delay_p99_ms": 12.0})
+    assert list(hops) == [hop_delays.FEED_OUT, hop_delays.WRITTEN, "client"]  # the path's order
+    assert hops[hop_delays.FEED_OUT]["frames"] == 2
+    assert hops["client"] == {"p50_ms": 11.0, "p99_ms": 12.0}
