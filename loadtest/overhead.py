@@ -29,6 +29,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -356,6 +357,9 @@ async def _measure(server: Server | ServerGroup, url: str, concurrency: int, qui
     summary["gateway_cpu_ms_per_req"] = hop * 1000 / ok  # gateway (+ proxy, scheduler)
     summary["engine_cpu_ms_per_req"] = busy.get("engine", 0.0) * 1000 / ok
     summary["req_per_gateway_core_s"] = ok / hop if hop else float("nan")
+    # Each role's share (the proxy: HAProxy and its manager, or Serve's proxy), to tell which
+    # process a change moved.
+    summary["cpu_ms_per_req_by_role"] = {k: v * 1000 / ok for k, v in sorted(busy.items())}
     return summary
 
 
@@ -488,7 +492,48 @@ PER_CORE_TARGET_RATIO = 8.0  # LiteLLM's requests per gateway core-second at c=1
 def side_by_side(rows: list[dict]) -> list[dict]:
     """Each Forge row beside LiteLLM's at the same engine and concurrency, as ratios: added
     TTFT p50 (over direct; lower is better) and requests per gateway core-second (higher is
-    better), with the targets above."""
+    better), with the targets above.
+
+    With several rounds, each is compared within itself (the servers of one round ran minutes
+    apart, not tens of minutes), and an entry holds the median of the rounds' figures, judged
+    against the targets, with each round's ratios beside it."""
+    rounds = sorted({r.get("round", 0) for r in rows})
+    if len(rounds) == 1:
+        return _side_by_side_round(rows)
+    by_key: dict[tuple, list[dict]] = {}
+    for number in rounds:
+        for entry in _side_by_side_round([r for r in rows if r.get("round", 0) == number]):
+            by_key.setdefault((entry["engine"], entry["path"], entry["concurrency"]), []).append(
+                entry
+            )
+    out = []
+    for (engine, path, c), entries in by_key.items():
+        median = {
+            k: statistics.median(e[k] for e in entries)
+            for k, v in entries[0].items()
+            if type(v) is float
+        }
+        entry = {"engine": engine, "path": path, "concurrency": c, **median}
+        entry["rounds"] = [
+            {k: e[k] for k in ("added_ttft_p50_ms", "added_ttft_ratio", "req_per_core_ratio")}
+            for e in entries
+        ]
+        _judge(entry)
+        out.append(entry)
+    return out
+
+
+def _judge(entry: dict) -> None:
+    if entry["concurrency"] == 1:
+        entry["target_met"] = (
+            entry["added_ttft_p50_ms"] <= TTFT_TARGET_MS
+            and entry["added_ttft_ratio"] <= TTFT_TARGET_RATIO
+        )
+    elif entry["concurrency"] == 16:
+        entry["target_met"] = entry["req_per_core_ratio"] >= PER_CORE_TARGET_RATIO
+
+
+def _side_by_side_round(rows: list[dict]) -> list[dict]:
     direct = {(r["engine"], r["concurrency"]): r for r in rows if r["path"] == "direct"}
     litellm = {(r["engine"], r["concurrency"]): r for r in rows if r["path"] == "litellm"}
     out = []
@@ -516,12 +561,7 @@ def side_by_side(rows: list[dict]) -> list[dict]:
             "litellm_req_per_gateway_core_s": ll_per_core,
             "req_per_core_ratio": per_core / ll_per_core if ll_per_core else float("nan"),
         }
-        if r["concurrency"] == 1:
-            entry["target_met"] = (
-                added <= TTFT_TARGET_MS and entry["added_ttft_ratio"] <= TTFT_TARGET_RATIO
-            )
-        elif r["concurrency"] == 16:
-            entry["target_met"] = entry["req_per_core_ratio"] >= PER_CORE_TARGET_RATIO
+        _judge(entry)
         out.append(entry)
     return out
 
@@ -533,6 +573,10 @@ def side_by_side_table(entries: list[dict]) -> str:
         "target |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    rounds = any("rounds" in e for e in entries)
+    if rounds:  # the figures are medians: each round's judged ratio beside them
+        lines[0] += " each round |"
+        lines[1] += "---|"
     for e in entries:
         target = {True: "met", False: "missed"}.get(e.get("target_met"), "")
         if target:
@@ -547,9 +591,14 @@ def side_by_side_table(entries: list[dict]) -> str:
             f"{e['added_ttft_ratio']:.2f}× | {e['req_per_s']:.0f} / {e['litellm_req_per_s']:.0f} | "
             f"{e['req_per_s_ratio']:.2f}× | {e['req_per_gateway_core_s']:.0f} / "
             f"{e['litellm_req_per_gateway_core_s']:.0f} | {e['req_per_core_ratio']:.2f}× | "
-            f"{target} |"
+            f"{target} |" + (f" {_round_ratios(e)} |" if rounds else "")
         )
     return "\n".join(lines)
+
+
+def _round_ratios(entry: dict) -> str:
+    field = "added_ttft_ratio" if entry["concurrency"] == 1 else "req_per_core_ratio"
+    return " · ".join(f"{r[field]:.2f}×" for r in entry.get("rounds", []))
 
 
 def memory_table(memory: list[dict]) -> str:
@@ -604,6 +653,17 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     venv = None
     if "litellm" in args.modes:  # before anything is pinned or measured
         venv = litellm_proxy.ensure_venv(args.litellm_venv)
+    for number in range(args.rounds):
+        # Rounds interleave the servers (direct, Forge, LiteLLM, direct, ...): a machine whose
+        # speed drifts over minutes weighs on every server alike, not on whichever ran last.
+        # Idle memory is read in the first round only.
+        measured = await _round(args, venv, memory if number == 0 else [])
+        rows += [{**row, "round": number} for row in measured]
+    return rows, memory
+
+
+async def _round(args: argparse.Namespace, venv: Path | None, memory: list[dict]) -> list[dict]:
+    rows: list[dict] = []
     for engine_name in args.engines:
         rows += await _bench_path(
             "direct", engine_name, args.concurrency, args.quick, memory, args.idle_s
@@ -627,7 +687,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                     args.redis_url,
                     pipeline,
                 )
-    return rows, memory
+    return rows
 
 
 def main() -> None:
@@ -669,6 +729,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--idle-s", type=float, default=3.0, help="idle time before each memory reading"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every server this many times, interleaved; the side-by-side verdict is then "
+        "on the median of the rounds' figures",
     )
     args = parser.parse_args()
     if args.side_by_side:

@@ -15,7 +15,11 @@ import sys
 
 def overhead_table(data: dict) -> str:
     rows = data["rows"]
-    direct = {(r["engine"], r["concurrency"]): r for r in rows if r["path"] == "direct"}
+    # Each round's rows over that round's direct baseline (``loadtest.overhead --rounds``).
+    direct = {
+        (r["engine"], r["concurrency"], r.get("round", 0)): r for r in rows if r["path"] == "direct"
+    }
+    rounds = len({r.get("round", 0) for r in rows}) > 1
     lines = [
         "| engine | path | c | req/s | TTFT p50 ms | added TTFT p50 ms | TTFT p95 ms | "
         "total p50 ms | server CPU ms/req | gateway-hop CPU ms/req | req/s per gateway core "
@@ -23,10 +27,11 @@ def overhead_table(data: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        base = direct.get((r["engine"], r["concurrency"]))
+        base = direct.get((r["engine"], r["concurrency"], r.get("round", 0)))
         added = r["ttft_p50_ms"] - base["ttft_p50_ms"] if base and r["path"] != "direct" else 0.0
+        path = f"{r['path']} (round {r['round'] + 1})" if rounds else r["path"]
         lines.append(
-            f"| {r['engine']} | {r['path']} | {r['concurrency']} | {r['req_per_s']:.0f} | "
+            f"| {r['engine']} | {path} | {r['concurrency']} | {r['req_per_s']:.0f} | "
             f"{r['ttft_p50_ms']:.2f} | {added:.2f} | {r['ttft_p95_ms']:.2f} | "
             f"{r['total_p50_ms']:.1f} | {r['server_cpu_ms_per_req']:.2f} | "
             f"{r.get('gateway_cpu_ms_per_req', float('nan')):.2f} | "
