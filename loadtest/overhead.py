@@ -16,6 +16,9 @@ of Forge), in front of the same mock backend as the direct baseline with the sam
 and backend on core 0, this load generator on core 1), and reports Forge's rows beside it as
 ratios. Each server graph's idle memory (RSS and PSS of every process, Ray's included) is
 measured after it has been idle a few seconds, at start and again after its load.
+
+One run is one draw on a machine whose speed moves over minutes: ``--rounds N`` runs every
+server N times, interleaved, and the side-by-side judges the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -738,6 +741,8 @@ def main() -> None:
         "on the median of the rounds' figures",
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be 1 or more")
     if args.side_by_side:
         args.engines, args.concurrency, args.pipelines = ["zero"], [1, 16], ["full"]
         args.modes = ["gateway-haproxy", "litellm"]
