@@ -31,8 +31,9 @@ They run in two lanes at once (``--lanes 1``: one after another). Most of a dril
 waiting (Ray and Serve starting, rolling, draining: a quick drill kept the two cores ~27 %
 busy), so two at a time take little more than one. One lane owns :8000 and :8265: the graph
 group and every entry that serves them itself (``serves_8000``), in turn; the other runs the
-rest, each on ports of its own, from the front of their list, and the first, done with its
-own, takes the rest's (not the vLLM ones) from the back, so the two lanes end together. The
+rest, each on ports of its own, from the front of their list (its vLLM entries first), and the
+first, done with its own, takes the rest's (not the vLLM ones) from the back, so the two lanes
+end together. No two vLLM entries run at once, whichever lane holds them (``_Run.engine``). The
 graph group's commands that find their cluster by Ray's ``auto`` (which finds every Ray on the
 machine, maybe another lane's too) are given the graph's own address in ``RAY_ADDRESS``, with
 its token mode.
@@ -1236,16 +1237,18 @@ def lanes_of(names: list[str], lanes: int) -> tuple[list[list[str]], list[str]]:
     ordered = [n for n in ordered if n not in alone]
     owns = {n for n in ordered if COMMANDS[n].group == "graph" or COMMANDS[n].serves_8000}
     owns |= {COMMANDS[n].needs for n in owns} - {None}
-    return [[n for n in ordered if n in owns], [n for n in ordered if n not in owns]], alone
+    # The second lane's vLLM entries first: kept in that lane, they were its last 222 s, with
+    # the first lane long done (docs/operations.md, run G); first, the first lane takes the
+    # rest's from the back while they run, and the two end together.
+    rest = sorted((n for n in ordered if n not in owns), key=lambda n: COMMANDS[n].group != "vllm")
+    return [[n for n in ordered if n in owns], rest], alone
 
 
 class Shared:
     """The second lane's entries, in order. That lane takes them from the front; the lane that
     owns :8000, once its own are done, takes the last of the group ``own`` left, so the two end
-    together. None of them serves :8000; the vLLM ones stay in the second lane, in turn (two
-    vLLM engines starting at once on two cores: the :8000 lane's `serve run` of
-    configs/local-vllm.yaml found no primary within 240 s beside the vLLM tests), as does one
-    that needs another's output."""
+    together. None of them serves :8000; the vLLM ones stay in the second lane, at its front,
+    as does one that needs another's output."""
 
     def __init__(self, names: list[str]) -> None:
         self._names = list(names)
@@ -1312,6 +1315,14 @@ class _Lane:
         if entry.group == "vllm" and not (run.venv / "bin" / "python").exists():
             self.result(name, 0.0, f"SKIP: no vLLM venv at {run.venv} (.ci/vllm builds it)")
             return
+        if entry.group == "vllm":
+            with run.engine:
+                self._one(name, entry)
+        else:
+            self._one(name, entry)
+
+    def _one(self, name: str, entry: Quick) -> None:
+        run = self.run
         env: dict[str, str] = dict(LANE_PORTS.get(self.number, {}))
         if entry.group == "graph":
             if self.graph is None and not self._start_graph():
@@ -1364,6 +1375,10 @@ class _Run:
     venv: Path
     keep_going: bool
     failed: threading.Event = field(default_factory=threading.Event)
+    # Held by a vLLM entry while it runs: two vLLM engines starting at once on two cores fail
+    # (the :8000 lane's `serve run` of configs/local-vllm.yaml found no primary within 240 s
+    # beside the vLLM tests, docs/operations.md, run E), whichever lanes they are in.
+    engine: threading.Lock = field(default_factory=threading.Lock)
     results: list[tuple[int, str, float, str]] = field(default_factory=list)  # lane, name, ...
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,8 @@ def test_what_serves_8000_runs_in_one_lane_with_what_it_needs_and_the_rest_besid
     for name in owner:
         if quick[name].needs is not None:
             assert owner.index(quick[name].needs) < owner.index(name)
+    vllm = [quick[n].group == "vllm" for n in rest]
+    assert vllm == sorted(vllm, reverse=True), "the second lane starts with its vLLM entries"
     graph = [i for i, n in enumerate(owner) if quick[n].group == "graph"]
     assert graph == list(range(graph[0], graph[-1] + 1)), "the graph group runs in one stretch"
     (serial,), after = doc_commands.lanes_of(list(quick), 1)
@@ -123,3 +127,43 @@ def test_the_lane_done_with_its_own_takes_the_others_entries_from_the_back(doc_c
     assert table.take(back=True) == "make help"
     assert table.take(back=True) is None  # a vLLM entry: the second lane's
     assert table.take() == "python -m loadtest.vllm_routing"
+
+
+def test_no_two_vllm_entries_run_at_once_whichever_lanes_they_are_in(
+    doc_commands, tmp_path, monkeypatch
+):
+    """Two vLLM engines starting at once on two cores fail; other entries run beside one."""
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").touch()
+    running: set[str] = set()
+    seen: list[set[str]] = []  # what ran together, as each entry saw it
+    company = threading.Condition()
+
+    def run_entry(name, entry, tmp, values, env):
+        with company:
+            running.add(name)
+            company.notify_all()
+            company.wait_for(lambda: len(running) > 1, timeout=1)  # alone if the lock holds
+            seen.append(set(running))
+        time.sleep(0.05)  # both have looked before either leaves
+        with company:
+            running.discard(name)
+        return True, ""
+
+    monkeypatch.setattr(doc_commands, "run_entry", run_entry)
+    state = doc_commands._Run(tmp_path, {}, tmp_path / "venv", keep_going=True)
+    vllm = [n for n, e in doc_commands.COMMANDS.items() if getattr(e, "group", "") == "vllm"]
+    own = [n for n, e in doc_commands.COMMANDS.items() if getattr(e, "group", "") == "own"]
+    lanes = [[vllm[0], own[0]], [vllm[1], own[1]]]  # both start with a vLLM entry
+    threads = [
+        threading.Thread(target=doc_commands._Lane(state, i + 1).go, args=(names,))
+        for i, names in enumerate(lanes)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(r[1] for r in state.results) == sorted(lanes[0] + lanes[1])
+    assert all(r[3] == "ok" for r in state.results)
+    assert max(len(s & set(vllm)) for s in seen) == 1
+    assert any(s & set(vllm) and s & set(own) for s in seen), "the rest runs beside one"
