@@ -15,6 +15,16 @@ os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
 APP = "forge"
 
 
+def without_ingress_drain() -> None:
+    """For a drill that deletes its graph between runs and waits for it: Serve holds a stopping
+    ingress replica open 30 s under direct ingress (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_
+    PERIOD_S``) so that a load balancer in front can deregister it first. Between a drill's runs
+    nobody sends it a request, and no load balancer is in front, so that hold is only a wait.
+    Call before Ray starts (its processes read it when they start). Not for the tests: their
+    graph's drain is part of what they check."""
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

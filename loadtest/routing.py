@@ -33,7 +33,7 @@ import httpx
 
 from loadtest import plots
 from loadtest.http_load import closed_loop
-from loadtest.inprocess import start_forge, stop_forge
+from loadtest.inprocess import start_forge, stop_forge, without_ingress_drain
 from serve_app import tokenizer
 
 POLICIES = ["round_robin", "least_in_flight", "least_queue", "prefix_affinity", "kv_aware"]
@@ -316,6 +316,7 @@ def main() -> None:
     parser.add_argument("--out", default="loadtest/results/routing.json")
     parser.add_argument("--plot", default="docs/img/routing.png")
     args = parser.parse_args()
+    without_ingress_drain()  # each policy's graph is deleted before the next one's
     rows = []
     try:
         for workload in args.workloads:

@@ -15,6 +15,11 @@ import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Serve holds a stopping ingress replica open 30 s under direct ingress so that a load balancer
+# in front can deregister it first. A benchmark stops this Forge when its numbers are in, with
+# nobody left to send it a request: without this, every stop waited out those 30 s
+# (``inprocess.without_ingress_drain`` says the same for the in-process drills).
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
 
 BENCH_KEY = "sk-bench-local-only"
 

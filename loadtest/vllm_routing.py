@@ -356,6 +356,7 @@ def main() -> None:
     args = parser.parse_args()
     requests = 24 if args.quick else args.requests
     rounds = 1 if args.quick else args.rounds
+    inprocess.without_ingress_drain()  # each run's graph is deleted before the next one's
 
     import vllm
 
