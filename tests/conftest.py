@@ -6,6 +6,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # The mode configs/local.yaml runs in (gRPC between deployments, direct ingress); see
 # docs/benchmarks.md. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 runs the suite on Serve's defaults.
 os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+# And configs/local.yaml's hold on a stopping gateway replica (5 s, not Serve's 30): a test that
+# replaces or deletes one waits as long as a laptop's `serve run` does (docs/listeners.md).
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5")
 
 
 import pytest
