@@ -75,7 +75,8 @@ def stop_graph(proc: subprocess.Popen, *, drain: bool = True) -> list[int]:
 
     ``drain=False``, for a drill that has its numbers: everything in the session is killed at
     once. A drain would wait out Serve's hold on each gateway replica under direct ingress
-    (30 s, ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``) with no request left to finish."""
+    (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``: 5 s in configs/local.yaml, Serve's 30 s
+    in a changed copy without it) with no request left to finish."""
     if not drain:
         return _kill_session(proc)
     with contextlib.suppress(ProcessLookupError):

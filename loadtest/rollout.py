@@ -170,7 +170,8 @@ class Cluster:
 
 
 def settled(replicas: dict) -> bool:
-    """The apps are running and no replica is starting or stopping (a gateway drains ~30 s)."""
+    """The apps are running and no replica is starting or stopping (a stopping gateway replica is
+    held 5 s: configs/local.yaml)."""
     if not replicas["_status"] or any(s != "RUNNING" for _, s in replicas["_status"].values()):
         return False
     return all(

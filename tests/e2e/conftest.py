@@ -315,7 +315,7 @@ def forge_url(redis_server, metrics_port):
     # Every pool up (but the one at zero), not just the fallback.
     inprocess.wait_ready(url, lambda up: all(v for name, v in up.items() if name != COLD_POOL))
     yield url
-    # No serve.shutdown(): direct-ingress replicas drain for 30 s; the session is over anyway.
+    # No serve.shutdown(): direct-ingress replicas are held 5 s each; the session is over anyway.
     ray.shutdown()
 
 

@@ -286,7 +286,8 @@ def survey() -> Survey:
 
 def settled_survey() -> Survey:
     """A survey with every socket accounted for: a replica Serve is still starting or already
-    stopping (a direct-ingress replica drains for 30 s) holds its ports without being listed."""
+    stopping (a direct-ingress replica is held 5 s: tests/conftest.py) holds its ports without
+    being listed."""
     last: list[Survey] = []
 
     def accounted() -> Survey | None:
