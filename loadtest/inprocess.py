@@ -16,12 +16,12 @@ APP = "forge"
 
 
 def without_ingress_drain() -> None:
-    """For a drill that deletes its graph between runs and waits for it: Serve holds a stopping
-    ingress replica open 30 s under direct ingress (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_
-    PERIOD_S``) so that a load balancer in front can deregister it first. Between a drill's runs
-    nobody sends it a request, and no load balancer is in front, so that hold is only a wait.
-    Call before Ray starts (its processes read it when they start). Not for the tests: they
-    hold a stopping gateway replica as configs/local.yaml does (5 s, ``tests/conftest.py``)."""
+    """For a drill that deletes its graph between runs and waits for it. Under direct ingress,
+    Serve holds a stopping ingress replica open 30 s, so that a load balancer in front can
+    deregister it first (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``). Between a drill's
+    runs nobody sends it a request, and no load balancer is in front, so that hold is only a
+    wait. Call before Ray starts (its processes read it when they start). Not for the tests:
+    they hold a stopping gateway replica as configs/local.yaml does (5 s, tests/conftest.py)."""
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
 
 

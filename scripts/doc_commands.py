@@ -1237,9 +1237,10 @@ def lanes_of(names: list[str], lanes: int) -> tuple[list[list[str]], list[str]]:
     ordered = [n for n in ordered if n not in alone]
     owns = {n for n in ordered if COMMANDS[n].group == "graph" or COMMANDS[n].serves_8000}
     owns |= {COMMANDS[n].needs for n in owns} - {None}
-    # The second lane's vLLM entries first: kept in that lane, they were its last 222 s, with
-    # the first lane long done (docs/operations.md, run G); first, the first lane takes the
-    # rest's from the back while they run, and the two end together.
+    # The second lane's vLLM entries first: last, they were its last 222 s, with the first lane
+    # long done (docs/operations.md, run G); first, the first lane takes the rest's from the
+    # back while they run, and the two end together (run H). The step took as long: beside the
+    # first lane's drills the vLLM entries are slower, and the two cores bound both lanes.
     rest = sorted((n for n in ordered if n not in owns), key=lambda n: COMMANDS[n].group != "vllm")
     return [[n for n in ordered if n in owns], rest], alone
 
