@@ -1316,10 +1316,7 @@ class _Lane:
         if entry.group == "vllm" and not (run.venv / "bin" / "python").exists():
             self.result(name, 0.0, f"SKIP: no vLLM venv at {run.venv} (.ci/vllm builds it)")
             return
-        if entry.group == "vllm":
-            with run.engine:
-                self._one(name, entry)
-        else:
+        with run.engine if entry.group == "vllm" else contextlib.nullcontext():
             self._one(name, entry)
 
     def _one(self, name: str, entry: Quick) -> None:
