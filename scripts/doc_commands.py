@@ -525,7 +525,7 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
     "python -m venv": Elsewhere(".ci/run step 1 runs the README's install and test command"),
     "pip install": Elsewhere(".ci/run step 1 (`pip install -e '.[dev]'`); .ci/deploy, .ci/vllm"),
     "pytest": Elsewhere(".ci/run step 1: the README's test command, exactly"),
-    "pytest -m slow": Elsewhere(".ci/run step 2"),
+    "pytest -m slow": Elsewhere(".ci/run step 2, and its soak beside .ci/vllm in step 3"),
     "pytest -m vllm": Elsewhere(".ci/vllm runs `pytest -m vllm tests/vllm` in the vLLM venv"),
     "pytest tests/e2e/test_fuzz.py": Elsewhere(
         "the default run (.ci/run step 1) runs it at 20 cases per operation and mode; the "
@@ -534,13 +534,15 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
     "pytest tests/metering/test_ledger.py": Elsewhere(
         "the default run (.ci/run step 1); the doc's `-k mixed_run` is one of its tests"
     ),
-    "scripts/secret_scan.sh": Elsewhere(".ci/run step 1b runs `bash scripts/secret_scan.sh`"),
+    "scripts/secret_scan.sh": Elsewhere(
+        ".ci/run step 3 runs `bash scripts/secret_scan.sh`, beside .ci/vllm"
+    ),
     "scripts/doc_commands.py": Elsewhere(
         ".ci/run's last step is this command itself (its --check runs in the default test run)"
     ),
     "scripts/secret_scan.sh --update": Elsewhere(
         "rewrites the committed .secrets.baseline for a person to audit; the scan that holds "
-        "the tree to the baseline is .ci/run step 1b"
+        "the tree to the baseline is .ci/run step 3"
     ),
     "detect-secrets audit": Elsewhere("interactive: a person marks each finding"),
     "pip freeze": Elsewhere("the input of pip-audit (below)", by=None),
