@@ -558,7 +558,7 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
     "scripts/smoke_local.py": quick(
         "{python} scripts/smoke_local.py",
         timeout=300,
-        note="was .ci/run step 3: `serve run configs/local.yaml` as the README's new user runs it",
+        note="`serve run configs/local.yaml` as the README's new user runs it, then Ctrl-C",
         serves_8000=True,
     ),
     "serve run configs/local.yaml": Elsewhere(
