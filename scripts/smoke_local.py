@@ -7,8 +7,8 @@ chat completion (plain and streamed) and an embeddings request through
 http://127.0.0.1:8000/v1 with the official ``openai`` client, checks that :8000 and HAProxy's
 own listeners (stats 8404, metrics 9101, Serve's backup proxy 8500) listen on 127.0.0.1 only,
 then presses Ctrl-C as a terminal does (SIGINT to ``serve run``'s whole process group, Ray's
-daemons included) and checks that it exits 0 and leaves nothing listening on those ports, so
-the user's next ``serve run`` starts.
+daemons included) and checks that it exits 0, leaving nothing listening on those ports and
+nothing running in its session, so the user's next ``serve run`` starts.
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ def listeners(port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
                 )
                 found.append(ipaddress.ip_address(raw))
     return found
+
+
+def session_left(sid: int) -> list[str]:
+    """What still runs in the session ``serve run`` led (its Ray, HAProxy), zombies aside."""
+    out = subprocess.run(["ps", "-eo", "sid=,stat=,comm="], capture_output=True, text=True)
+    rows = (line.split(None, 2) for line in out.stdout.splitlines() if line.strip())
+    return [comm for session, stat, comm in rows if int(session) == sid and "Z" not in stat]
 
 
 def _loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -107,7 +114,12 @@ def main() -> int:
         assert code == 0, f"Ctrl-C: `serve run` exited {code}; see {log}"
         still = [f"{port} ({what})" for port, what in PORTS.items() if listeners(port)]
         assert not still, f"after Ctrl-C, still listening: {', '.join(still)}"
-        print(f"smoke: Ctrl-C: exit 0 in {time.monotonic() - started:.1f} s, every port closed")
+        took = time.monotonic() - started
+        deadline = time.monotonic() + 30
+        while (left := session_left(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(1)  # Ray's daemons may outlive `serve run` by a moment
+        assert not left, f"after Ctrl-C, still running in its session: {left}"
+        print(f"smoke: Ctrl-C: exit 0 in {took:.1f} s, every port closed, no process left")
         return 0
     finally:
         # Whatever a failed check left of the group, `serve run` or what it started.
