@@ -63,10 +63,15 @@ def start_graph(log_path: Path, config: str | Path = CONFIG) -> subprocess.Popen
 
 
 def session_pids(sid: int) -> list[int]:
-    """Processes still in the session ``serve run`` led (its Ray, HAProxy, workers)."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    """Processes still running in the session ``serve run`` led (its Ray, HAProxy, workers);
+    not zombies, which hold nothing and which only their parent can reap."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
     rows = (line.split() for line in out.splitlines() if line.strip())
-    return [int(pid) for pid, session in rows if int(session) == sid and int(pid) != os.getpid()]
+    return [
+        int(pid)
+        for pid, session, stat in rows
+        if int(session) == sid and int(pid) != os.getpid() and "Z" not in stat
+    ]
 
 
 def stop_graph(proc: subprocess.Popen, *, drain: bool = True) -> list[int]:

@@ -13,7 +13,6 @@ nothing running in its session, so the user's next ``serve run`` starts.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import signal
@@ -24,12 +23,12 @@ from pathlib import Path
 
 from openai import OpenAI
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's loadtest/
+from loadtest.local_graph import session_pids, stop_graph
+
 KEY = "sk-demo-alpha-local-only"
 PORTS = {8000: "the API (HAProxy)", 8404: "HAProxy stats", 9101: "HAProxy metrics", 8500: "backup"}
 READY_WITHIN_S = 240
-# Ctrl-C: Serve drains the gateway replica (5 s, configs/local.yaml) and shuts down, then Ray
-# (~16 s on a 2-core machine, docs/listeners.md).
-STOPPED_WITHIN_S = 90
 
 
 def listeners(port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
@@ -46,13 +45,6 @@ def listeners(port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
                 )
                 found.append(ipaddress.ip_address(raw))
     return found
-
-
-def session_left(sid: int) -> list[str]:
-    """What still runs in the session ``serve run`` led (its Ray, HAProxy), zombies aside."""
-    out = subprocess.run(["ps", "-eo", "sid=,stat=,comm="], capture_output=True, text=True)
-    rows = (line.split(None, 2) for line in out.stdout.splitlines() if line.strip())
-    return [comm for session, stat, comm in rows if int(session) == sid and "Z" not in stat]
 
 
 def _loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -103,29 +95,24 @@ def main() -> int:
             assert not outside, f"{port} ({what}) listens beyond loopback: {hosts}"
             print(f"smoke: {port} ({what}) listens on {', '.join(map(str, hosts))}")
 
+        # Ctrl-C: Serve drains the gateway replica (5 s, configs/local.yaml) and shuts down,
+        # then Ray (~16 s on a 2-core machine, docs/listeners.md).
         started = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: the whole group
-        try:
-            code = proc.wait(STOPPED_WITHIN_S)
-        except subprocess.TimeoutExpired:
-            raise SystemExit(
-                f"smoke: Ctrl-C did not stop `serve run` in {STOPPED_WITHIN_S} s"
-            ) from None
-        assert code == 0, f"Ctrl-C: `serve run` exited {code}; see {log}"
+        killed = stop_graph(proc)
+        took = time.monotonic() - started
+        assert proc.returncode == 0, (
+            f"Ctrl-C: `serve run` exited {proc.returncode} (negative: killed when Ctrl-C did "
+            f"not stop it in 90 s); see {log}"
+        )
+        assert not killed, f"after Ctrl-C, still running in its session: pids {killed}"
         still = [f"{port} ({what})" for port, what in PORTS.items() if listeners(port)]
         assert not still, f"after Ctrl-C, still listening: {', '.join(still)}"
-        took = time.monotonic() - started
-        deadline = time.monotonic() + 30
-        while (left := session_left(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(1)  # Ray's daemons may outlive `serve run` by a moment
-        assert not left, f"after Ctrl-C, still running in its session: {left}"
         print(f"smoke: Ctrl-C: exit 0 in {took:.1f} s, every port closed, no process left")
         return 0
     finally:
-        # Whatever a failed check left of the group, `serve run` or what it started.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        # A check failed first (or `serve run` died starting): leave nothing of it running.
+        if proc.returncode is None or session_pids(proc.pid):
+            stop_graph(proc, drain=False)
 
 
 if __name__ == "__main__":
