@@ -28,6 +28,7 @@ from serve_app.config.models import (
     load_pool_app_config,
 )
 from serve_app.gateway.ingress import GatewayIngress
+from serve_app.replica.autoscaling import with_pool_policy
 from serve_app.replica.pool_ingress import PoolApplication
 from serve_app.replica.server import Replica
 from serve_app.resilience.board import BOARD_DEPLOYMENT, BreakerBoardDeployment
@@ -176,4 +177,9 @@ def _replica_options(pool: PoolConfig) -> dict[str, Any]:
         ),
     }
     options.update(pool.deployment)
+    autoscaling = options.get("autoscaling_config")
+    if isinstance(autoscaling, dict):
+        # Scaled on the requests it serves: a gateway's feed is one more call open on a replica
+        # (replica/autoscaling.py says why).
+        options["autoscaling_config"] = with_pool_policy(autoscaling)
     return options

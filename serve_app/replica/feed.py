@@ -24,8 +24,9 @@ from serve_app import hop_delays
 
 # A feed no stream used for this long ends; the gateway opens another when it needs one. Short:
 # Serve counts a feed as an ongoing request, so a replica being replaced or scaled down waits
-# this long past its last stream, and autoscaling sees it; reopening costs one handle call, and
-# a gateway with a stream there at least once a second keeps its feed.
+# this long past its last stream (the pool's autoscaling takes feeds off its count:
+# ``replica/autoscaling.py``); reopening costs one handle call, and a gateway with a stream there
+# at least once a second keeps its feed.
 FEED_IDLE_S = 1.0
 # Under load, at most one item a millisecond: each carries every frame that became ready
 # meanwhile. A feed idle for longer sends its next frame at once (a lone stream's latency is

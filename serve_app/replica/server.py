@@ -33,6 +33,7 @@ from serve_app.config.models import PoolConfig, TracingConfig
 from serve_app.engines.base import Engine, Kind, Usage
 from serve_app.kvcache.curve import curve_keys
 from serve_app.kvcache.events import KvEventPublisher
+from serve_app.replica.autoscaling import OPEN_FEEDS
 from serve_app.replica.faults import FaultInjector, FaultSpec
 from serve_app.replica.feed import Feed
 from serve_app.routing.registry import KV_EVENT_POLICIES
@@ -388,8 +389,14 @@ class Replica:
         return {
             "replica": self.replica_id,
             "open_streams": self.open_streams,
+            "open_feeds": len(self._feeds),
             **self.engine.stats().as_dict(),
         }
+
+    async def record_autoscaling_stats(self) -> dict[str, int]:
+        """Serve calls this periodically where the pool autoscales: its policy takes the feeds
+        open here off the ongoing requests it counts (``replica/autoscaling.py``)."""
+        return {OPEN_FEEDS: len(self._feeds)}
 
     async def record_routing_stats(self) -> dict:
         """Serve calls this periodically; request routers read it (see ``routing/``). The same

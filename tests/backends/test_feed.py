@@ -16,6 +16,7 @@ from serve_app.backends.feed import FedStream
 from serve_app.backends.pool import PoolBackend
 from serve_app.errors import ForgeError
 from serve_app.replica import feed as replica_feed
+from serve_app.replica.autoscaling import OPEN_FEEDS
 from serve_app.replica.server import Replica
 from tests.polling import eventually_async
 
@@ -314,3 +315,22 @@ async def test_a_feed_item_stays_within_its_byte_bound_however_many_batches_wait
 
     assert sizes == [800, 800, 400]
     await items.aclose()
+
+
+async def test_a_replica_reports_one_open_feed_per_gateway_streaming_from_it_to_autoscaling(
+    monkeypatch,
+):
+    # What the pool's autoscaling policy takes off Serve's count (replica/autoscaling.py).
+    monkeypatch.setattr(replica_feed, "FEED_IDLE_S", 0.2)
+    first, replica = pool()
+    second = PoolBackend("p", Handle(replica), Timeouts(5.0, 5.0, 5.0, 60.0))
+    second.bridge.replica_ids = frozenset({replica.replica_id})
+    assert await replica.record_autoscaling_stats() == {OPEN_FEEDS: 0}
+
+    await open_feed(first, replica)
+    await drain(second, request_id="second-gateway")
+    await eventually_async(lambda: len(replica._feeds) == 2, timeout_s=5, what="both feeds")
+
+    assert await replica.record_autoscaling_stats() == {OPEN_FEEDS: 2}
+    await eventually_async(lambda: not replica._feeds, timeout_s=5, what="both feeds to end")
+    assert await replica.record_autoscaling_stats() == {OPEN_FEEDS: 0}
