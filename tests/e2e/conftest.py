@@ -75,6 +75,18 @@ GATEWAY = "gateway"  # the ingress deployment's name (serve_app/app.py)
 LEDGER_PATH = os.path.join(tempfile.gettempdir(), f"forge-e2e-usage-{os.getpid()}.sqlite3")
 
 
+def front_of_pool_app(pool: str, model: str, pool_app: str) -> dict:
+    """A small gateway's args (alpha's key, the session's ledger) in front of one pool that runs
+    as an application of its own (``pool_app``), for the drills that deploy both beside the
+    session's graph."""
+    return {
+        "metering": {"sqlite_path": LEDGER_PATH},
+        "tenants": [{"name": "alpha", "key_hashes": [_sha(ALPHA_KEY)]}],
+        "pools": [{"name": pool, "model": model, "app": pool_app, "fallback": False}],
+        "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
+    }
+
+
 def forge_args(port: int, redis_url: str | None) -> dict:
     fast = {"prefill_base_s": 0.002, "decode_base_s": 0.004, "max_num_seqs": 32}
     # Two gateway replicas when they can share Redis: budgets must hold across replicas.

@@ -9,12 +9,11 @@ deployment of an application by its args, so in one application this replaced th
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ALPHA_KEY, LEDGER_PATH
+from tests.e2e.conftest import ALPHA_KEY, front_of_pool_app
 
 # In the default run, not the slow one: in the slow run's session it ran just before the
 # fair-admission drill, whose light tenant then measured 1.9x its baseline (1.4x without it).
@@ -40,14 +39,7 @@ def pool_args(decode_s: float) -> dict:
 
 
 def gateway_args() -> dict:
-    return {
-        "metering": {"sqlite_path": LEDGER_PATH},
-        "tenants": [
-            {"name": "alpha", "key_hashes": [hashlib.sha256(ALPHA_KEY.encode()).hexdigest()]}
-        ],
-        "pools": [{"name": "split", "model": MODEL, "app": POOL_APP, "fallback": False}],
-        "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
-    }
+    return front_of_pool_app("split", MODEL, POOL_APP)
 
 
 async def cache_results(client: httpx.AsyncClient, until: str, within_s: float = 20) -> list[str]:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ALPHA_KEY, LEDGER_PATH
+from tests.e2e.conftest import ALPHA_KEY, front_of_pool_app
 
 # A scaling drill (~40 s, a second replica started): in the slow run.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -62,14 +61,7 @@ def pool_args() -> dict:
 
 
 def gateway_args() -> dict:
-    return {
-        "metering": {"sqlite_path": LEDGER_PATH},
-        "tenants": [
-            {"name": "alpha", "key_hashes": [hashlib.sha256(ALPHA_KEY.encode()).hexdigest()]}
-        ],
-        "pools": [{"name": "scaling", "model": MODEL, "app": POOL_APP, "fallback": False}],
-        "gateway": {"deployment": {"ray_actor_options": {"num_cpus": 0}}},
-    }
+    return front_of_pool_app("scaling", MODEL, POOL_APP)
 
 
 async def hold_stream(client: httpx.AsyncClient, started: asyncio.Event) -> None:
