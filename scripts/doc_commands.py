@@ -525,10 +525,7 @@ COMMANDS: dict[str, Quick | Elsewhere] = {
     "python -m venv": Elsewhere(".ci/run step 1 runs the README's install and test command"),
     "pip install": Elsewhere(".ci/run step 1 (`pip install -e '.[dev]'`); .ci/deploy, .ci/vllm"),
     "pytest": Elsewhere(".ci/run step 1: the README's test command, exactly"),
-    "pytest -m slow": Elsewhere(
-        ".ci/run: the drills judged on latency (marked quiet) in step 2, the rest beside"
-        " .ci/vllm in step 3"
-    ),
+    "pytest -m slow": Elsewhere(".ci/run step 2, and its soak beside .ci/vllm in step 3"),
     "pytest -m vllm": Elsewhere(".ci/vllm runs `pytest -m vllm tests/vllm` in the vLLM venv"),
     "pytest tests/e2e/test_fuzz.py": Elsewhere(
         "the default run (.ci/run step 1) runs it at 20 cases per operation and mode; the "

@@ -119,7 +119,6 @@ async def test_with_neither_the_primary_nor_a_fallback_the_gate_fails(forge_url,
 
 
 @pytest.mark.slow
-@pytest.mark.quiet  # its SLO checks judge latency against the baseline it calibrates here
 async def test_the_whole_gate_calibrated_then_run_failover_and_isolation_included(
     forge_url, redis_server, tmp_path
 ):

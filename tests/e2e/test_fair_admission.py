@@ -12,7 +12,7 @@ from loadtest.http_load import closed_loop
 from serve_app.replica import admin as replica_admin
 from tests.e2e.conftest import APP, tenant_key
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.quiet]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # The drill's request (loadtest/fairness.py), sent to the test graph's fair-admission pool.
 BODY = {**fairness.BODY, "model": "forge-fair"}
