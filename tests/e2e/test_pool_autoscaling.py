@@ -23,8 +23,8 @@ GATEWAY_APP = "forge-scaling"
 POOL_APP = "forge-scaling-pool"
 MODEL = "forge-scaling"
 POOL_DEPLOYMENT = "pool-scaling"
-# Long enough that Serve's own policy would have added the replica for the feed several times
-# over (it needs one report and the 2 s delay).
+# Long enough that Serve's own policy would have added the replica for the feed twice over (it
+# needs a report and the upscale delay; with Forge's policy taken out, it did in seconds).
 HOLD_S = 8.0
 
 
@@ -47,11 +47,13 @@ def pool_args() -> dict:
                     "initial_replicas": 1,
                     "max_replicas": 2,
                     "target_ongoing_requests": 2,
-                    # Deprecated for the environment's push intervals, but what Serve 2.60 reads
-                    # for both (its router and its replica); Serve warns.
+                    # Deprecated in favour of environment variables, but what Serve 2.60 reads
+                    # for both pushes (its router's and its replica's).
                     "metrics_interval_s": 0.5,
                     "look_back_period_s": 1,
-                    "upscale_delay_s": 2,
+                    # A decision must hold this long: a report of the feed from the gateway's
+                    # handle a moment before the replica's is not one.
+                    "upscale_delay_s": 3,
                     "downscale_delay_s": 600,
                 },
                 "ray_actor_options": {"num_cpus": 0},
