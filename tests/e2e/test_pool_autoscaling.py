@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.conftest import ALPHA_KEY, front_of_pool_app
 
-# A scaling drill (~40 s, a second replica started): in the slow run.
+# A scaling drill (~20 s and a second replica started, after ~10 s to deploy): in the slow run.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 GATEWAY_APP = "forge-scaling"
