@@ -245,21 +245,29 @@ async def test_a_faulty_canary_is_aborted_and_traffic_returns_to_stable(monkeypa
     for replica in gateway.backends["canary"].replicas.values():
         replica.set_fault({"mode": "error"})
     async with gateway.lifespan(), client(gateway) as alpha:
-        served = []
-        for i in range(60):
-            raw = await alpha.chat.completions.with_raw_response.create(**ask("chat", f"q{i}"))
-            served.append(raw.headers["x-forge-variant"])
+
+        async def variants(first: int, count: int) -> list[str]:
+            served = []
+            for i in range(first, first + count):
+                raw = await alpha.chat.completions.with_raw_response.create(**ask("chat", f"q{i}"))
+                served.append(raw.headers["x-forge-variant"])
+            return served
+
+        # The analysis judges every 20 outcomes (or second), once each variant has 5: the
+        # split is random, so which of the judgements aborts is too; by the 60th, one has.
+        before = await variants(0, 60)
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(gateway.asgi_app()), base_url="http://forge.test"
         ) as http:
             answer = await http.get(
                 "/admin/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}
             )
+        after = await variants(60, 20)
     traffic = answer.json()["traffic"]["chat"]
     assert traffic["aborted"] == ["canary"]
     assert traffic["verdict"]["decision"] == "abort"
     assert "error ratio" in traffic["verdict"]["reasons"][0]
-    assert "canary" in served[:20] and set(served[-20:]) == {"stable"}
+    assert "canary" in before[:20] and set(after) == {"stable"}
     assert traffic["weights"] == {"stable": 50.0, "canary": 0.0}
     assert traffic["variants"]["canary"]["errors"] >= 5
 
