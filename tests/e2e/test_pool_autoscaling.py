@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ALPHA_KEY, front_of_pool_app
+from tests.polling import eventually
 
 # A scaling drill (~20 s and a second replica started, after ~10 s to deploy): in the slow run.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -83,12 +84,9 @@ async def hold_stream(client: httpx.AsyncClient, started: asyncio.Event) -> None
             started.set()
 
 
-async def until(predicate, within_s: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not await asyncio.to_thread(predicate):
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not within {within_s} s: {what}")
-        await asyncio.sleep(0.2)
+async def until(condition, timeout_s: float, what: str) -> None:
+    """``eventually`` off the loop: the conditions ask Ray, and the streams read meanwhile."""
+    await asyncio.to_thread(eventually, condition, timeout_s=timeout_s, what=what, interval_s=0.2)
 
 
 async def test_a_pools_feeds_start_no_replica_and_its_requests_past_the_target_do(forge_url):
