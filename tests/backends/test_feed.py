@@ -100,9 +100,14 @@ class Handle:
 
 def pool(**engine) -> tuple[PoolBackend, Replica]:
     replica = Replica({"name": "p", "model": "m", "engine": engine})
+    return gateway(replica), replica
+
+
+def gateway(replica: Replica) -> PoolBackend:
+    """A gateway replica's pool backend, streaming from ``replica``."""
     backend = PoolBackend("p", Handle(replica), Timeouts(5.0, 5.0, 5.0, 60.0))
     backend.bridge.replica_ids = frozenset({replica.replica_id})
-    return backend, replica
+    return backend
 
 
 def frames(batches: list[list]) -> list[bytes]:
@@ -323,8 +328,7 @@ async def test_a_replica_reports_one_open_feed_per_gateway_streaming_from_it_to_
     # What the pool's autoscaling policy takes off Serve's count (replica/autoscaling.py).
     monkeypatch.setattr(replica_feed, "FEED_IDLE_S", 0.2)
     first, replica = pool()
-    second = PoolBackend("p", Handle(replica), Timeouts(5.0, 5.0, 5.0, 60.0))
-    second.bridge.replica_ids = frozenset({replica.replica_id})
+    second = gateway(replica)
     assert await replica.record_autoscaling_stats() == {OPEN_FEEDS: 0}
 
     await open_feed(first, replica)
