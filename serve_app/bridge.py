@@ -10,7 +10,9 @@ What crosses it, per pool:
 
 - router → gateway: the replica ids Serve can route to now (zero means the pool is cold: serve
   from the fallback at once and wake it), and which replica each request went to (a failure is
-  charged to that replica's breaker even when it died before saying who it was);
+  charged to that replica's breaker even when it died before saying who it was), or, until
+  Serve says, the replicas it was offered (a request cancelled in between may have started on
+  one of them, and is charged what it cost there);
 - gateway → router: the replica a retry must avoid, the replica a follow-up call must reach
   (the usage of a stream the client left), and the gateway's breaker states, so an open
   replica is never chosen and a half-open one gets exactly its one probe.
@@ -47,6 +49,11 @@ class PoolBridge:
     replica_ids: frozenset[str] | None = None  # None until Serve first told the router
     # request id → (replica id, whether the request is that replica's half-open probe)
     routed: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    # request id → the replicas its router offered Serve, best first, until Serve hears which
+    # took it (``routed``). Serve sends the request, then waits for the replica's word that it
+    # accepted (``Router._route_and_send_request_once``): a request cancelled in that window may
+    # have started on the replica without ever being noted as routed.
+    offered: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # request id → the replica its first attempt failed on: its retry goes elsewhere
     avoid: dict[str, str] = field(default_factory=dict)
     # request id → the one replica a call about it must reach (the usage of its aborted stream)
@@ -61,10 +68,19 @@ class PoolBridge:
             self.routed.clear()
         self.routed[request_id] = (replica_id, probe)
 
+    def note_offered(self, request_id: str, replica_ids: tuple[str, ...]) -> None:
+        if len(self.offered) >= _MAX_ROUTED:
+            self.offered.clear()
+        self.offered[request_id] = replica_ids
+
     def take_routed(self, request_id: str) -> tuple[str, bool] | None:
         """Where an attempt went (once); its retry's ``avoid`` note is done with too."""
         self.avoid.pop(request_id, None)
         return self.routed.pop(request_id, None)
+
+    def take_offered(self, request_id: str) -> tuple[str, ...]:
+        """The replicas an attempt not (yet) noted as routed was offered to (once)."""
+        return self.offered.pop(request_id, ())
 
 
 class BridgedPool:
@@ -93,6 +109,9 @@ class BridgedPool:
 
     def take_routed(self, request_id: str) -> tuple[str, bool] | None:
         return self.bridge.take_routed(request_id)
+
+    def take_offered(self, request_id: str) -> tuple[str, ...]:
+        return self.bridge.take_offered(request_id)
 
     def engine_identity(self) -> str | None:
         reported = self.bridge.engine_identity

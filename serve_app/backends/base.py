@@ -76,6 +76,11 @@ class PoolControl(Protocol):
         (once; None if it was never routed)."""
         ...
 
+    def take_offered(self, request_id: str) -> tuple[str, ...]:
+        """Where an attempt never noted as routed may still have started, most likely first
+        (once; empty if it was routed, or never reached the router)."""
+        ...
+
     async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
         """Inject ``spec`` (``faults.FaultSpec``; None clears) on every replica of the pool:
         replica id → the spec it now has, or None if it could not be reached."""
@@ -86,9 +91,12 @@ class PoolControl(Protocol):
         agree; None before any has said or while they differ (a roll under way)."""
         ...
 
-    async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
+    async def abandoned_usage(
+        self, request_id: str, replica_id: str, *, if_received: bool = False
+    ) -> dict | None:
         """The engine's ``usage`` of a stream the gateway abandoned on ``replica_id`` (the
-        client left, or it failed mid-way), or None if the replica cannot tell in time."""
+        client left, or it failed mid-way), or None if the replica cannot tell in time; with
+        ``if_received``, None at once from a replica the request never reached."""
         ...
 
 

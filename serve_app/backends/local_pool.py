@@ -96,12 +96,14 @@ class LocalPoolBackend(BridgedPool):
     async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
         return {rid: replica.set_fault(spec) for rid, replica in sorted(self.replicas.items())}
 
-    async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
+    async def abandoned_usage(
+        self, request_id: str, replica_id: str, *, if_received: bool = False
+    ) -> dict | None:
         replica = self.replicas.get(replica_id)
         if replica is None:
             return None
         return await replica.abandoned_usage(
-            ABANDONED_WAIT_S, request_id=request_id, replica_id=replica_id
+            ABANDONED_WAIT_S, request_id=request_id, replica_id=replica_id, if_received=if_received
         )
 
     async def ready(self) -> bool:

@@ -299,7 +299,9 @@ class PoolBackend(BridgedPool):
             for replica_id in sorted(self.bridge.replica_ids or ())
         }
 
-    async def abandoned_usage(self, request_id: str, replica_id: str) -> dict | None:
+    async def abandoned_usage(
+        self, request_id: str, replica_id: str, *, if_received: bool = False
+    ) -> dict | None:
         """Asked of that very replica; None when it is gone or slow, and the gateway charges
         its estimate."""
         unread = self._unread_usage.pop(request_id, None)
@@ -308,10 +310,17 @@ class PoolBackend(BridgedPool):
         if not self.replica_count():
             return None  # no replica at all (it died mid-stream, the pool is at zero)
         return await self._pinned(
-            replica_id, request_id, "abandoned_usage", ABANDONED_WAIT_S + 1.5, ABANDONED_WAIT_S
+            replica_id,
+            request_id,
+            "abandoned_usage",
+            ABANDONED_WAIT_S + 1.5,
+            ABANDONED_WAIT_S,
+            if_received=if_received,
         )
 
-    async def _pinned(self, replica_id: str, request_id: str, method: str, timeout_s: float, *args):
+    async def _pinned(
+        self, replica_id: str, request_id: str, method: str, timeout_s: float, *args, **options
+    ):
         """``method(*args, replica_id=, request_id=)`` on that replica: the pool's router obeys
         ``bridge.pinned``; None if it fails or is late.
 
@@ -329,6 +338,7 @@ class PoolBackend(BridgedPool):
                 *args,
                 replica_id=replica_id,
                 request_id=request_id,
+                **options,
             )
             return await asyncio.wait_for(asyncio.shield(call), timeout_s)
         except Exception as exc:  # TimeoutError, the replica died

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 
 from opentelemetry import trace
@@ -51,6 +52,9 @@ _END = object()
 # while a caller that reads a byte a second costs this replica 64 frames, not a generation.
 # Every coalesced batch is at most this long too. Not a setting: nothing it trades needs tuning.
 STREAM_QUEUE_ITEMS = 64
+# Request ids remembered as received: far more than a replica has in flight, and a question
+# about a request comes right after it left.
+RECEIVED_KEPT = 4096
 
 
 def build_engine(pool: PoolConfig, kv_events: KvEventPublisher | None = None) -> Engine:
@@ -131,6 +135,9 @@ class Replica:
         self._generations: dict[str, list[_Generation]] = {}
         # And the non-streamed generations by request id, for the same question.
         self._completions: dict[str, list[asyncio.Future]] = {}
+        # The request ids of the last calls that came here, to tell at once a question about a
+        # request that never did (``abandoned_usage(if_received=True)``).
+        self._received: OrderedDict[str, None] = OrderedDict()
         # The feeds gateways hold open here, by the gateway's feed id (``feed``).
         self._feeds: dict[str, Feed] = {}
 
@@ -157,6 +164,7 @@ class Replica:
         With ``feed_id`` naming a feed its gateway holds open here (``feed``), only the first
         list comes back this way (its metadata says ``fed``); the rest, and the stream's end,
         go over the feed under ``feed_key``, and this call returns once they are sent."""
+        self._note_received(request_id)
         source = self._stream(body, kind, request_id, trace_context, feed_id, feed_key)
         try:
             async for batch in source:
@@ -296,6 +304,7 @@ class Replica:
         self, body: dict, kind: Kind, request_id: str, trace_context: dict | None = None
     ) -> dict:
         """The OpenAI response body (with ``usage``) and, under ``forge``, the replica id."""
+        self._note_received(request_id)
         with self._span(trace_context, request_id) as span:
             await self._ensure_started()
             await self.faults.before_first_frame()
@@ -360,14 +369,27 @@ class Replica:
                 raise
             yield errors.refusal_item(err)  # see ``stream``
 
+    def _note_received(self, request_id: str) -> None:
+        self._received[request_id] = None
+        if len(self._received) > RECEIVED_KEPT:
+            self._received.popitem(last=False)
+
     async def abandoned_usage(
-        self, wait_s: float = 1.0, *, request_id: str, replica_id: str | None = None
+        self,
+        wait_s: float = 1.0,
+        *,
+        request_id: str,
+        replica_id: str | None = None,
+        if_received: bool = False,
     ) -> dict | None:
         """What an aborted generation of this replica cost (OpenAI ``usage``), once: the
         gateway asks right after its client left (mid-stream, or before a non-streamed answer
         came), to charge exactly what the engine produced. Asked of another replica (the one
-        that served it is gone), None at once."""
+        that served it is gone), None at once; and so with ``if_received``, asked of each
+        replica a request may have started on, where it never came."""
         if replica_id is not None and replica_id != self.replica_id:
+            return None
+        if if_received and request_id not in self._received:
             return None
         # The gateway has closed its end; Serve's cancellation of this stream may still be on
         # its way (or, for a stream parked at a ``yield``, not come until much later). Asked

@@ -169,7 +169,7 @@ class ForgeRequestRouter(RequestRouter):
         excluded = self._excluded(list(by_id), request_id)
         probe = await self._probe_for(request_id, excluded)
         if probe is not None:
-            return [[by_id[probe]]] if probe in by_id else []
+            return self._offer(request_id, [probe], by_id)
         if self.index is not None:
             await self._first_sync(candidate_replicas)
         views = [self._view(r, r.replica_id.unique_id in excluded) for r in candidate_replicas]
@@ -185,7 +185,17 @@ class ForgeRequestRouter(RequestRouter):
             ranked = self.adapters.order(ranked, views, route.adapter)
             if self.adapters.placements > placed_before:
                 self._adapter_placements.inc()
-        return [[by_id[replica_id]] for replica_id in ranked if replica_id in by_id]
+        return self._offer(request_id, ranked, by_id)
+
+    def _offer(
+        self, request_id: str | None, ranked: list[str], by_id: dict[str, RunningReplica]
+    ) -> list[list[RunningReplica]]:
+        """Serve's ranks, one replica each, noted on the bridge until Serve says which took it
+        (``PoolBridge.offered``)."""
+        offered = tuple(rid for rid in ranked if rid in by_id)
+        if request_id is not None:
+            self.bridge.note_offered(request_id, offered)
+        return [[by_id[rid]] for rid in offered]
 
     def _excluded(self, replica_ids: list[str], request_id: str | None) -> set[str]:
         """Replicas not to choose: breaker not closed, or the one this request's first try
@@ -247,6 +257,7 @@ class ForgeRequestRouter(RequestRouter):
             blocks = route.block_hashes if keyed else ()
             self.index.assign(request_id, rid, uncached, blocks)
         if request_id is not None and request_id not in self.bridge.pinned:
+            self.bridge.offered.pop(request_id, None)  # routed: no longer a guess
             breakers = self.bridge.breakers
             probe = self._probes.pop(request_id, None) == rid or (
                 breakers is not None

@@ -28,7 +28,7 @@ from opentelemetry import trace
 from starlette.responses import Response
 
 from serve_app import errors
-from serve_app.backends.base import Backend
+from serve_app.backends.base import Backend, PoolControl
 from serve_app.bridge import replica_backend
 from serve_app.engines.base import Kind
 from serve_app.metrics import ForgeMetrics
@@ -52,6 +52,7 @@ class Attempt:
     breakers: BreakerClient | None
     probe: bool  # the backend's half-open probe
     replica: str | None = None  # the pool replica it went to
+    offered: tuple[str, ...] = ()  # or, not yet known, the ones it may have started on
     replica_probe: bool = False
     resolved: bool = False  # the breakers were told (probes: at the first batch)
     sent_at: float | None = None  # on the breakers' clock: old successes end no failure streak
@@ -64,6 +65,7 @@ class Attempt:
             if routed is not None:
                 self.replica, self.replica_probe = routed
                 ctx.replica = self.replica
+            self.offered = pool.take_offered(ctx.key) or self.offered
 
     def settle(self, ctx: RequestContext, outcome: Outcome) -> None:
         """Tell the backend's breaker, and its replica's, how the attempt went."""
@@ -157,7 +159,7 @@ class Dispatch:
                 failure, probed = err, attempt.probe or attempt.replica_probe
             except asyncio.CancelledError:  # the client left before the first byte
                 attempt.settle(ctx, Outcome.NEUTRAL)  # and learns the replica it went to
-                await _charge_abandoned(ctx, attempt.backend)
+                await _charge_abandoned(ctx, attempt.backend, attempt.offered)
                 raise
         raise failure or self._none_available(candidates)
 
@@ -335,21 +337,48 @@ class _Plan:
         return None
 
 
-async def _charge_abandoned(ctx: RequestContext, backend: Backend) -> None:
+async def _charge_abandoned(
+    ctx: RequestContext, backend: Backend, offered: tuple[str, ...] = ()
+) -> None:
     """A request that ended before its usage came (a stream left mid-way; any request whose
     client left before the first byte, a non-streamed one mid-generation included): the
     replica aborted the generation, and the tenant is charged what its engine produced, not an
     estimate and not nothing. Shielded: it runs as the request is being cancelled. Where nothing
     can say (an external backend; a replica gone or too slow to answer), the request is charged
-    the gateway's estimate, flagged, not nothing."""
-    if ctx.usage is not None or (backend.pool is not None and not ctx.replica):
-        return  # answered, or no replica had it yet
+    the gateway's estimate, flagged, not nothing.
+
+    A pool request whose replica is not known was cancelled before Serve heard that a replica
+    took it: nothing ran, or it started on one of the replicas it was ``offered`` (the engine
+    prefilled, then Serve's cancellation came). Those are asked, most likely first; none that
+    answers means nothing ran, and nothing is charged."""
+    if ctx.usage is not None:
+        return
+    pool = backend.pool
+    if pool is not None and not ctx.replica:
+        ctx.usage = await asyncio.shield(_cost_on_any(pool, ctx.key, offered))
+        if ctx.usage is not None:
+            _charged_to(ctx, backend)
+        return
+    _charged_to(ctx, backend)
+    if pool is not None:
+        ctx.usage = await asyncio.shield(pool.abandoned_usage(ctx.key, ctx.replica))
+    ctx.left_uncounted = ctx.usage is None
+
+
+async def _cost_on_any(pool: PoolControl, request_id: str, offered: tuple[str, ...]) -> dict | None:
+    """What the request cost on whichever offered replica ran it (at most one did), in turn:
+    a replica's calls about a request are pinned by its id (``PoolBridge.pinned``)."""
+    for replica_id in offered:
+        usage = await pool.abandoned_usage(request_id, replica_id, if_received=True)
+        if usage is not None:
+            return usage
+    return None
+
+
+def _charged_to(ctx: RequestContext, backend: Backend) -> None:
     if ctx.backend == "none":  # left before the first byte: charged to the one answering
         ctx.backend = backend.name
         ctx.served_model = ctx.served_model or backend.served_model
-    if backend.pool is not None:
-        ctx.usage = await asyncio.shield(backend.pool.abandoned_usage(ctx.key, ctx.replica))
-    ctx.left_uncounted = ctx.usage is None
 
 
 def _with_retry(

@@ -143,3 +143,61 @@ async def test_a_request_whose_replica_cannot_say_what_it_cost_is_charged_an_est
         row = await alpha_today(gateway)
     assert row.counts["estimated_requests"] == 1, row.counts
     assert row.counts["prompt_tokens"] > 0, row.counts
+
+
+def routed_unheard(pool, taken_second: bool = True):
+    """The pool's routing as Serve's router leaves it for a request cancelled after Serve sent
+    it but before the replica's word that it took it came back: every replica offered, best
+    first, and none noted as the one that took it (``PoolBridge.offered``). The replica that
+    took it is offered second, so a replica it never reached is asked first."""
+
+    def offered_only(bridge, request_id: str, replica_id: str, probe: bool) -> None:
+        others = tuple(sorted(set(pool.replicas) - {replica_id}))
+        bridge.note_offered(request_id, (*others, replica_id) if taken_second else others)
+
+    return offered_only
+
+
+async def test_a_request_left_before_serve_heard_which_replica_took_it_is_charged_its_cost(
+    monkeypatch,
+):
+    """The end-to-end metering test, on two busy cores, once charged nothing for a request
+    whose engine had prefilled its prompt: the client left in that window. The replicas it
+    was offered are asked, and the one that ran it says what it cost."""
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    gateway = slow_pool_gateway()
+    pool = gateway.backends["primary"]
+    monkeypatch.setattr(type(pool.bridge), "note_routed", routed_unheard(pool))
+    async with gateway.lifespan(), http(gateway) as client:
+        before = await leave_a_pool_request(gateway, client)
+        row = await alpha_today(gateway)
+        after = engine_totals(gateway)
+    spent = {k: after[k] - before[k] for k in ("prompt_tokens", "completion_tokens")}
+    assert spent["completion_tokens"] >= 5
+    assert row.counts.get("estimated_requests", 0) == 0, row.counts
+    assert row.counts["prompt_tokens"] == spent["prompt_tokens"], (row.counts, spent)
+    assert row.counts["completion_tokens"] == spent["completion_tokens"], (row.counts, spent)
+    assert not pool.bridge.offered, "the guess outlived the request"
+
+
+async def test_a_request_left_before_any_offered_replica_got_it_is_charged_nothing(monkeypatch):
+    """Offered, but never reached the replicas asked (still in Serve's queue): nothing ran
+    there, so nothing is charged, and it is not an estimate either."""
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    gateway = slow_pool_gateway()
+    pool = gateway.backends["primary"]
+    monkeypatch.setattr(type(pool.bridge), "note_routed", routed_unheard(pool, False))
+    taken = {}
+    ask = pool.abandoned_usage
+
+    async def asked(request_id: str, replica_id: str, **options) -> dict | None:
+        taken[replica_id] = await ask(request_id, replica_id, **options)
+        return taken[replica_id]
+
+    monkeypatch.setattr(pool, "abandoned_usage", asked)
+    async with gateway.lifespan(), http(gateway) as client:
+        await leave_a_pool_request(gateway, client)
+        row = await alpha_today(gateway)
+    assert taken and set(taken.values()) == {None}, taken  # the other replica was asked
+    assert row.counts.get("estimated_requests", 0) == 0, row.counts
+    assert row.counts.get("prompt_tokens", 0) == 0, row.counts

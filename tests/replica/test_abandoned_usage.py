@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from serve_app.replica.server import Replica
 from tests.polling import eventually_async
 
@@ -43,13 +45,16 @@ async def test_a_caller_that_left_after_the_engine_finished_is_charged_the_engin
     assert usage["prompt_tokens"] > 0
 
 
-async def test_a_caller_that_left_mid_generation_is_charged_what_was_generated():
+# Asked ``if_received``: of each replica a request cancelled before Serve heard which took it
+# was offered (``dispatch._cost_on_any``); the one that ran it answers as when asked by name.
+@pytest.mark.parametrize("asked", [{"replica_id": "local"}, {"if_received": True}])
+async def test_a_caller_that_left_mid_generation_is_charged_what_was_generated(asked):
     r = replica()
     stream = r.stream({**BODY, "max_tokens": 200}, "chat", "req-mid")
     await anext(stream)
     await anext(stream)
     await stream.aclose()
-    usage = await r.abandoned_usage(1.0, request_id="req-mid", replica_id=r.replica_id)
+    usage = await r.abandoned_usage(1.0, request_id="req-mid", **asked)
     assert usage is not None and 0 < usage["completion_tokens"] < 200
 
 
@@ -143,3 +148,12 @@ async def test_asked_before_serve_cancels_it_a_non_streamed_call_is_ended_by_the
         await r.abandoned_usage(0.05, request_id="req-unstreamed-parked", replica_id=r.replica_id)
         is None
     )
+
+
+async def test_asked_if_received_a_replica_the_request_never_reached_answers_at_once():
+    """A request cancelled before Serve heard which replica took it is asked about on each it
+    was offered (``dispatch._cost_on_any``): one it never reached says so without the wait
+    the one that ran it may need for its abort to land."""
+    r = replica()
+    answer = r.abandoned_usage(30.0, request_id="never-sent", if_received=True)
+    assert await asyncio.wait_for(answer, 5) is None

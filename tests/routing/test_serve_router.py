@@ -294,6 +294,24 @@ async def test_a_call_without_a_request_id_is_routed_but_not_noted(board, breake
     assert pool_bridge(APP, POOL).routed == {}
 
 
+async def test_the_replicas_offered_are_noted_until_serve_says_which_took_the_request():
+    """Serve sends a request, then waits for the replica's word that it took it: a request
+    cancelled in between may have run, and only the replicas it was offered can say
+    (``PoolBridge.offered``, asked by ``dispatch._charge_abandoned``)."""
+    router = make_router("least_in_flight")
+    replicas = [Replica("a"), Replica("b"), Replica("c")]
+    router.update_replicas(replicas)
+    bridge = pool_bridge(APP, POOL)
+    request = pending("req-offered")
+    order = await ranked(router, replicas, request)
+    assert bridge.offered["req-offered"] == tuple(order)
+    assert bridge.routed == {}
+
+    router.on_request_routed(request, replicas[1].replica_id, None)
+    assert "req-offered" not in bridge.offered
+    assert bridge.take_routed("req-offered") == ("b", False)
+
+
 # -- prompts ---------------------------------------------------------------------------------
 
 

@@ -230,6 +230,9 @@ class _CostAsker:
     def take_routed(self, request_id: str) -> tuple[str, bool] | None:
         return None
 
+    def take_offered(self, request_id: str) -> tuple[str, ...]:
+        return ()
+
     async def set_fault(self, spec):
         return {}
 
