@@ -22,3 +22,21 @@ def _usage_ledger_of_its_own(tmp_path, monkeypatch):
     from serve_app.metering import ledger
 
     monkeypatch.setattr(ledger, "DEFAULT_SQLITE_PATH", str(tmp_path / "usage.sqlite3"))
+
+
+# The tests that start Ray (one graph per session) or drive one, the slow drills among them, run
+# in one xdist worker, in turn, as they would without xdist; the rest run in the other.
+_RAY_TESTS = ("tests/e2e/", "tests/vllm/")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Two work units, by where a test lives. Not ``--dist loadgroup``: under pytest 9 its
+    ``xdist_group`` marks do not reach the scheduler (xdist 3.8 renames ``item._nodeid``, which
+    pytest 9 no longer reads), and the graph's tests were split between two Ray sessions."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayAndTheRest(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.startswith(_RAY_TESTS) else "units"
+
+    return RayAndTheRest(config, log)
