@@ -31,7 +31,7 @@ _RAY_TESTS = ("tests/e2e/", "tests/vllm/")
 
 def pytest_xdist_make_scheduler(config, log):
     """Two work units, by where a test lives. Not ``--dist loadgroup``: under pytest 9 its
-    ``xdist_group`` marks do not reach the scheduler (xdist 3.8 renames ``item._nodeid``, which
+    ``xdist_group`` marks do not reach the scheduler (xdist 3.8 sets ``item._nodeid``, which
     pytest 9 no longer reads), and the graph's tests were split between two Ray sessions."""
     from xdist.scheduler import LoadScopeScheduling
 

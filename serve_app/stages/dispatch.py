@@ -65,7 +65,8 @@ class Attempt:
             if routed is not None:
                 self.replica, self.replica_probe = routed
                 ctx.replica = self.replica
-            self.offered = pool.take_offered(ctx.key) or self.offered
+            else:  # Serve had not said yet (``PoolBridge.offered``); routed, it was dropped
+                self.offered = pool.take_offered(ctx.key) or self.offered
 
     def settle(self, ctx: RequestContext, outcome: Outcome) -> None:
         """Tell the backend's breaker, and its replica's, how the attempt went."""
