@@ -11,6 +11,10 @@ import httpx
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+# Serve gives a starting HTTP proxy 5 s to answer, counted from the request to start its actor,
+# then kills it, and `serve.start` fails on the dead actor although the controller starts another.
+# On two busy cores (CI runs the soak beside vLLM's tests) a new worker process takes longer.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 APP = "forge"
 
