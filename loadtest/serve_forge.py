@@ -20,6 +20,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # nobody left to send it a request: without this, every stop waited out those 30 s
 # (``inprocess.without_ingress_drain`` says the same for the in-process drills).
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
+# Serve's first HTTP proxy gets 60 s to start, not 5 (``loadtest/inprocess.py`` says why).
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 BENCH_KEY = "sk-bench-local-only"
 
