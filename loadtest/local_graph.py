@@ -47,7 +47,7 @@ def start_graph(log_path: Path, config: str | Path = CONFIG) -> subprocess.Popen
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    # `serve run` waits on its first HTTP proxy, which Serve kills after 5 s (loadtest/inprocess.py).
+    # `serve run` waits on its first HTTP proxy, which Serve kills after 5 s (loadtest/inprocess).
     env.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     env.pop("RAY_ADDRESS", None)
     serve = Path(sys.executable).parent / "serve"

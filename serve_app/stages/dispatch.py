@@ -153,8 +153,10 @@ class Dispatch:
                 _event("forge.attempt_failed", backend=attempt.backend.name, status=err.status)
                 if ctx.first_failure is None:
                     ctx.first_failure = attempt.backend.name
-                if err is not failed:
-                    raise err from None  # the client's own deadline: final, nobody's fault
+                if err is not failed:  # the client's own deadline: final, nobody's fault,
+                    # and the engine's work is charged, as a client's that left is
+                    await _charge_abandoned(ctx, attempt.backend, attempt.offered)
+                    raise err from None
                 if not retryable(err):
                     raise
                 failure, probed = err, attempt.probe or attempt.replica_probe
@@ -342,7 +344,8 @@ async def _charge_abandoned(
     ctx: RequestContext, backend: Backend, offered: tuple[str, ...] = ()
 ) -> None:
     """A request that ended before its usage came (a stream left mid-way; any request whose
-    client left before the first byte, a non-streamed one mid-generation included): the
+    client left, or whose client's own deadline ran out, before the first byte, a non-streamed
+    one mid-generation included): the
     replica aborted the generation, and the tenant is charged what its engine produced, not an
     estimate and not nothing. Shielded: it runs as the request is being cancelled. Where nothing
     can say (an external backend; a replica gone or too slow to answer), the request is charged

@@ -77,6 +77,19 @@ async def alpha_today(gateway):
     return row
 
 
+async def booked_once_aborted(gateway, before: dict[str, int]):
+    """Alpha's row once the engine aborted the generation, and what the engines spent since
+    ``before``."""
+    await eventually_async(
+        lambda: engine_totals(gateway)["running"] == 0,
+        timeout_s=5,
+        what="the engine to have aborted the generation",
+    )
+    row = await alpha_today(gateway)
+    after = engine_totals(gateway)
+    return row, {k: after[k] - before[k] for k in ("prompt_tokens", "completion_tokens")}
+
+
 async def test_a_non_streamed_request_cancelled_mid_generation_is_charged_the_engines_count(
     monkeypatch,
 ):
@@ -86,16 +99,32 @@ async def test_a_non_streamed_request_cancelled_mid_generation_is_charged_the_en
     gateway = slow_pool_gateway()
     async with gateway.lifespan(), http(gateway) as client:
         before = await leave_a_pool_request(gateway, client)
-        await eventually_async(
-            lambda: engine_totals(gateway)["running"] == 0,
-            timeout_s=5,
-            what="the engine to have aborted the generation",
-        )
-        row = await alpha_today(gateway)
-        after = engine_totals(gateway)
-    spent = {k: after[k] - before[k] for k in ("prompt_tokens", "completion_tokens")}
+        row, spent = await booked_once_aborted(gateway, before)
     assert 5 <= spent["completion_tokens"] < 2000
     assert row.counts.get("estimated_requests", 0) == 0, row.counts
+    assert row.counts["prompt_tokens"] == spent["prompt_tokens"], (row.counts, spent)
+    assert row.counts["completion_tokens"] == spent["completion_tokens"], (row.counts, spent)
+
+
+async def test_a_request_past_the_clients_own_deadline_is_charged_the_engines_count(monkeypatch):
+    """``x-request-timeout`` ran out mid-generation: a 504 the client asked for, and the engine's
+    work charged as when the client leaves (it was charged nothing, so a deadline just short of
+    the answer got the engine's work free)."""
+    monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
+    gateway = slow_pool_gateway()
+    async with gateway.lifespan(), http(gateway) as client:
+        before = engine_totals(gateway)
+        response = await client.post(
+            "/v1/chat/completions",
+            json=long_answer(),  # 2,000 tokens of 5 ms each: far past the deadline
+            headers={"authorization": f"Bearer {KEY}", "x-request-timeout": "0.5"},
+        )
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "client_deadline_exceeded"
+        row, spent = await booked_once_aborted(gateway, before)
+    assert 0 < spent["completion_tokens"] < 2000
+    assert row.counts.get("estimated_requests", 0) == 0, row.counts
+    assert row.counts["errors_upstream"] == 1, row.counts
     assert row.counts["prompt_tokens"] == spent["prompt_tokens"], (row.counts, spent)
     assert row.counts["completion_tokens"] == spent["completion_tokens"], (row.counts, spent)
 
