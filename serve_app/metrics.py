@@ -56,8 +56,9 @@ def histogram(
 
 class ForgeMetrics:
     def __init__(self) -> None:
-        # Status 499: the client left first; 599: a stream that failed after its first byte (the
-        # client saw 200, then an SSE error event): a truncation, counted apart as well.
+        # Status 499: the client left first, or its own deadline ended it; 599: a stream that
+        # failed after its first byte (the client saw 200, then an SSE error event): a
+        # truncation, counted apart as well.
         self.requests = counter(
             "forge_requests_total",
             "Requests by tenant, route, model, serving backend and HTTP status.",

@@ -72,6 +72,8 @@ class RequestContext:
     release_slot: Callable[[], None] | None = None
     stream_error: str | None = None  # set when a stream ended with an SSE error event
     client_timeout_s: float | None = None  # the client's own total deadline, if it gave one
+    # That deadline ended the request (``own_timeout``): the client's doing, counted as a 499.
+    deadline_ran_out: bool = False
     cache: str | None = None  # "hit", "miss" or "bypass" once the cache stage has looked
     # What the cache keeps of a miss: the non-streamed answer, or the stream's, gathered from
     # its frames as relay passes them (set only when the cache wants it).
@@ -120,6 +122,7 @@ class RequestContext:
             and getattr(err, "code", None) == "upstream_timeout"
             and time.perf_counter() - self.started >= deadline - 0.01
         ):
+            self.deadline_ran_out = True
             return errors.client_deadline(deadline)
         return err
 
@@ -221,13 +224,21 @@ _ending: set[asyncio.Future] = set()
 
 def final_status(ctx: RequestContext, response: Response, completed: bool) -> int:
     """The status an outcome is counted under: 499 when the client left first (nginx's
-    "client closed request"), 599 for a stream that failed after its first byte (the client
-    saw 200, then an SSE error event), else the response's own."""
-    if not completed:
+    "client closed request") or its own deadline ended it (it saw a 504, or an SSE error event
+    with ``client_deadline_exceeded``: a choice of the client's, as leaving is, so neither the
+    error ratio nor a backend's truncations count it), 599 for a stream that failed after its
+    first byte (the client saw 200, then an SSE error event), else the response's own."""
+    if not completed or ctx.deadline_ran_out:
         return 499
     if ctx.stream_error and isinstance(response, StreamingResponse):
         return 599
     return response.status_code
+
+
+def error_status(ctx: RequestContext, err: errors.ForgeError) -> int:
+    """What ``final_status`` counts a request under that failed with ``err``, seen before it
+    became a response (metering's view)."""
+    return 499 if ctx.deadline_ran_out else err.status
 
 
 def on_response_end(response: Response, callback: Callable[[bool], None]) -> Response:

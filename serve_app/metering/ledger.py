@@ -56,7 +56,7 @@ def error_class(status: int) -> str | None:
     if status == 429:
         return "rate_limited"
     if status == 499:
-        return "disconnected"  # the client left first
+        return "disconnected"  # the client left first, or its own deadline ran out
     if status == 599:
         return "truncated"  # failed after the first byte
     if status >= 500:

@@ -20,7 +20,13 @@ from serve_app import errors
 from serve_app.adapters import adapter_model
 from serve_app.metering.ledger import UsageLedger, UsageRecord, charged_tokens, day_of, error_class
 from serve_app.metrics import ForgeMetrics
-from serve_app.pipeline import Handler, RequestContext, final_status, on_response_end
+from serve_app.pipeline import (
+    Handler,
+    RequestContext,
+    error_status,
+    final_status,
+    on_response_end,
+)
 
 
 class MeterStage:
@@ -32,7 +38,7 @@ class MeterStage:
         try:
             response = await call_next(ctx)
         except errors.ForgeError as err:
-            self._record(ctx, err.status)
+            self._record(ctx, error_status(ctx, err))
             raise
         except asyncio.CancelledError:
             self._record(ctx, 499)

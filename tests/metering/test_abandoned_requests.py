@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 
 import httpx
+import pytest
 
 from serve_app.config.models import load_config
 from serve_app.local import build_local_gateway
 from serve_app.mock_openai import create_mock_app
+from tests.doubles import RecordingMetrics
 from tests.gateway.test_server import FAST, KEY, KEY_ENV, MODEL, UPSTREAM_KEY, forge_args, http
 from tests.gateway.test_server import upstream as mock_upstream
 from tests.polling import eventually_async
@@ -30,11 +33,13 @@ def engine_totals(gateway) -> dict[str, int]:
     }
 
 
-def slow_pool_gateway():
+def slow_pool_gateway(metrics=None):
     """The in-process gateway, its pool slow enough to cancel a request mid-generation."""
     args = forge_args()
     args["pools"][0]["engine"] = {**FAST, "decode_base_s": 0.005}
-    return build_local_gateway(load_config(args), fallback_transport=mock_upstream())
+    return build_local_gateway(
+        load_config(args), metrics=metrics, fallback_transport=mock_upstream()
+    )
 
 
 def long_answer(model: str = MODEL) -> dict:
@@ -106,27 +111,41 @@ async def test_a_non_streamed_request_cancelled_mid_generation_is_charged_the_en
     assert row.counts["completion_tokens"] == spent["completion_tokens"], (row.counts, spent)
 
 
-async def test_a_request_past_the_clients_own_deadline_is_charged_the_engines_count(monkeypatch):
-    """``x-request-timeout`` ran out mid-generation: a 504 the client asked for, and the engine's
-    work charged as when the client leaves (it was charged nothing, so a deadline just short of
-    the answer got the engine's work free)."""
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+async def test_a_request_its_own_deadline_ended_is_charged_and_counted_as_the_clients_doing(
+    monkeypatch, stream
+):
+    """``x-request-timeout`` ran out mid-generation: the client sees a 504 (streamed: an SSE error
+    event after its first tokens). It is charged the engine's work, as when the client leaves
+    (it was charged nothing before its first byte, so a deadline just short of the answer got
+    the engine's work free), and counted as the client's doing, a 499, as leaving is: it was a
+    504 in the error ratio, or a backend's truncated stream (599) when streamed."""
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
-    gateway = slow_pool_gateway()
+    metrics = RecordingMetrics()
+    gateway = slow_pool_gateway(metrics)
     async with gateway.lifespan(), http(gateway) as client:
         before = engine_totals(gateway)
         response = await client.post(
             "/v1/chat/completions",
-            json=long_answer(),  # 2,000 tokens of 5 ms each: far past the deadline
+            json={**long_answer(), "stream": stream},  # 2,000 tokens of 5 ms: past the deadline
             headers={"authorization": f"Bearer {KEY}", "x-request-timeout": "0.5"},
         )
-        assert response.status_code == 504, response.text
-        assert response.json()["error"]["code"] == "client_deadline_exceeded"
+        if stream:
+            assert response.status_code == 200, response.text
+            *answered, last = [json.loads(line[6:]) for line in response.text.split("\n\n") if line]
+            assert answered and all("choices" in frame for frame in answered)
+            assert last["error"]["code"] == "client_deadline_exceeded", last
+        else:
+            assert response.status_code == 504, response.text
+            assert response.json()["error"]["code"] == "client_deadline_exceeded"
         row, spent = await booked_once_aborted(gateway, before)
     assert 0 < spent["completion_tokens"] < 2000
     assert row.counts.get("estimated_requests", 0) == 0, row.counts
-    assert row.counts["errors_upstream"] == 1, row.counts
     assert row.counts["prompt_tokens"] == spent["prompt_tokens"], (row.counts, spent)
     assert row.counts["completion_tokens"] == spent["completion_tokens"], (row.counts, spent)
+    errors = {k: v for k, v in row.counts.items() if k.startswith("errors_")}
+    assert errors == {"errors_disconnected": 1}, row.counts
+    assert [r["status"] for r in metrics.recorded] == [499]
 
 
 async def test_a_non_streamed_request_the_fallback_was_answering_is_charged_an_estimate(
