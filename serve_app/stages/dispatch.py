@@ -345,11 +345,10 @@ async def _charge_abandoned(
 ) -> None:
     """A request that ended before its usage came (a stream left mid-way; any request whose
     client left, or whose client's own deadline ran out, before the first byte, a non-streamed
-    one mid-generation included): the
-    replica aborted the generation, and the tenant is charged what its engine produced, not an
-    estimate and not nothing. Shielded: it runs as the request is being cancelled. Where nothing
-    can say (an external backend; a replica gone or too slow to answer), the request is charged
-    the gateway's estimate, flagged, not nothing.
+    one mid-generation included): the replica aborted the generation, and the tenant is charged
+    what its engine produced, not an estimate and not nothing. Shielded: it runs as the request
+    is being cancelled. Where nothing can say (an external backend; a replica gone or too slow
+    to answer), the request is charged the gateway's estimate, flagged, not nothing.
 
     A pool request whose replica is not known was cancelled before Serve heard that a replica
     took it: nothing ran, or it started on one of the replicas it was ``offered`` (the engine
