@@ -23,8 +23,10 @@ _MODELS = {
     "completion": protocol.CompletionRequest,
     "embedding": protocol.EmbeddingRequest,
 }
-# A client's own deadline, in seconds: ours, then the one the OpenAI SDKs send with every call.
-_TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
+# A client's own deadline, in seconds: ours, a total deadline; else the SDKs' timeout, which the
+# OpenAI Node SDK and the Anthropic SDKs send with every call (``_client_timeout``).
+_SDK_TIMEOUT = "x-stainless-timeout"
+_TIMEOUT_HEADERS = ("x-request-timeout", _SDK_TIMEOUT)
 
 
 class ParseStage:
@@ -129,11 +131,18 @@ class ParseStage:
 
 
 def _client_timeout(ctx: RequestContext) -> float | None:
-    """Checked here, before quota and admission spend anything on a request that is malformed."""
+    """Checked here, before quota and admission spend anything on a request that is malformed.
+
+    The SDKs' header is a deadline for a non-streamed request only, whose answer comes whole.
+    For a stream it times the wait for the response's headers (the Node SDK) or between two
+    chunks (the Anthropic SDK, httpx's read timeout), never the whole stream: taken as a total
+    deadline, it cut a coding agent's long answer, streamed steadily, at the SDK's timeout. The
+    SDK keeps that timeout itself, by leaving (a 499, charged what the engine spent)."""
     headers = ctx.request.headers
+    streamed = bool(getattr(ctx.parsed, "stream", False))
     for name in _TIMEOUT_HEADERS:
         value = headers.get(name)
-        if value is None:
+        if value is None or (streamed and name == _SDK_TIMEOUT):
             continue
         try:
             seconds = float(value)

@@ -3,11 +3,16 @@ trip, token counting, the key in ``x-api-key``, and every error in Anthropic's s
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import pytest
 
+from serve_app.config.models import load_config
 from serve_app.gateway.server import Gateway
+from serve_app.local import build_local_gateway
 from tests.dialects.conftest import ASK, STATUS_SCHEMA, anthropic_client, http
+from tests.gateway import test_server
 from tests.gateway.test_server import CAPPED_KEY, KEY, MODEL
 
 TOOL = {
@@ -208,3 +213,32 @@ async def test_a_stream_that_breaks_after_its_first_byte_ends_with_an_error_even
             async for _ in stream:
                 pass
     assert failed.value.body["error"]["type"] == "api_error"
+
+
+async def test_a_stream_longer_than_the_sdks_timeout_is_not_cut_while_it_flows(monkeypatch):
+    """The SDK sends its timeout with every call (``x-stainless-timeout``), and for a stream it
+    is httpx's read timeout: the longest wait between two chunks. Forge took it as the stream's
+    total deadline and cut a steadily streamed answer at 0.5 s with an error event."""
+    monkeypatch.setenv(test_server.KEY_ENV, test_server.UPSTREAM_KEY)
+    args = test_server.forge_args()
+    # 300 tokens of 5 ms each: 1.5 s in all, never more than 5 ms between two of them.
+    args["pools"][0]["engine"] = {
+        **test_server.FAST,
+        "decode_base_s": 0.005,
+        "output_tokens_min": 300,
+        "output_tokens_max": 300,
+    }
+    slow = build_local_gateway(load_config(args), fallback_transport=test_server.upstream())
+    async with slow.lifespan(), anthropic_client(slow) as claude:
+        started = time.perf_counter()
+        async with claude.messages.stream(
+            model=MODEL,
+            max_tokens=300,
+            messages=[{"role": "user", "content": ASK}],
+            timeout=0.5,  # the call's own: sent as x-stainless-timeout (a client's is not)
+        ) as stream:
+            message = await stream.get_final_message()
+        took = time.perf_counter() - started
+    assert took > 0.5
+    assert message.stop_reason in ("end_turn", "max_tokens"), message
+    assert message.usage.output_tokens == 300

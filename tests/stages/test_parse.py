@@ -12,10 +12,10 @@ from serve_app.errors import ForgeError
 from serve_app.pipeline import RequestContext
 from serve_app.stages.parse import ParseStage
 
-BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def ctx_with(headers: dict[str, str]) -> RequestContext:
+def ctx_with(headers: dict[str, str], stream: bool = False) -> RequestContext:
     sent = False
 
     async def receive():
@@ -23,7 +23,8 @@ def ctx_with(headers: dict[str, str]) -> RequestContext:
         if sent:
             return {"type": "http.disconnect"}
         sent = True
-        return {"type": "http.request", "body": BODY, "more_body": False}
+        body = orjson.dumps({**BODY, "stream": stream})
+        return {"type": "http.request", "body": body, "more_body": False}
 
     scope = {
         "type": "http",
@@ -34,8 +35,8 @@ def ctx_with(headers: dict[str, str]) -> RequestContext:
     return RequestContext(Request(scope, receive), "chat")
 
 
-async def parsed(headers: dict[str, str]) -> RequestContext:
-    ctx = ctx_with(headers)
+async def parsed(headers: dict[str, str], stream: bool = False) -> RequestContext:
+    ctx = ctx_with(headers, stream)
 
     async def endpoint(c: RequestContext) -> Response:
         return Response()
@@ -49,7 +50,7 @@ async def parsed(headers: dict[str, str]) -> RequestContext:
     [
         ({}, None),
         ({"x-request-timeout": "12.5"}, 12.5),
-        ({"x-stainless-timeout": "600"}, 600.0),  # what the OpenAI SDKs send
+        ({"x-stainless-timeout": "600"}, 600.0),  # what the SDKs send
         ({"x-request-timeout": "3", "x-stainless-timeout": "600"}, 3.0),  # ours wins
         ({"x-stainless-timeout": "soon"}, None),  # advisory: a strange one is ignored
         ({"x-request-timeout": "0"}, None),
@@ -57,6 +58,19 @@ async def parsed(headers: dict[str, str]) -> RequestContext:
 )
 async def test_the_client_deadline_comes_from_its_headers(headers, seconds):
     assert (await parsed(headers)).client_timeout_s == seconds
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ({"x-stainless-timeout": "60"}, None),
+        ({"x-request-timeout": "3", "x-stainless-timeout": "60"}, 3.0),
+        ({"x-request-timeout": "3"}, 3.0),
+    ],
+)
+async def test_a_streams_deadline_is_ours_alone_not_the_sdks_timeout(headers, seconds):
+    """The SDKs' timeout times the wait for headers or between chunks, not a whole stream."""
+    assert (await parsed(headers, stream=True)).client_timeout_s == seconds
 
 
 async def test_a_malformed_x_request_timeout_is_a_400_before_anything_is_spent():
