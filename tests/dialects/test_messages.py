@@ -216,9 +216,9 @@ async def test_a_stream_that_breaks_after_its_first_byte_ends_with_an_error_even
 
 
 async def test_a_stream_longer_than_the_sdks_timeout_is_not_cut_while_it_flows(monkeypatch):
-    """The SDK sends its timeout with every call (``x-stainless-timeout``), and for a stream it
-    is httpx's read timeout: the longest wait between two chunks. Forge took it as the stream's
-    total deadline and cut a steadily streamed answer at 0.5 s with an error event."""
+    """The SDK sends a call's timeout (``x-stainless-timeout``), and for a stream it is httpx's
+    read timeout: the longest wait between two chunks. Forge took it as the stream's total
+    deadline and cut a steadily streamed answer at 0.5 s with an error event."""
     monkeypatch.setenv(test_server.KEY_ENV, test_server.UPSTREAM_KEY)
     args = test_server.forge_args()
     # 300 tokens of 5 ms each: 1.5 s in all, never more than 5 ms between two of them.
@@ -235,7 +235,7 @@ async def test_a_stream_longer_than_the_sdks_timeout_is_not_cut_while_it_flows(m
             model=MODEL,
             max_tokens=300,
             messages=[{"role": "user", "content": ASK}],
-            timeout=0.5,  # the call's own: sent as x-stainless-timeout (a client's is not)
+            timeout=0.5,  # a client-wide timeout is sent as "NOT_GIVEN" (2.17), read as none
         ) as stream:
             message = await stream.get_final_message()
         took = time.perf_counter() - started
