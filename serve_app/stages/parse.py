@@ -23,8 +23,8 @@ _MODELS = {
     "completion": protocol.CompletionRequest,
     "embedding": protocol.EmbeddingRequest,
 }
-# A client's own deadline, in seconds: ours, a total deadline; else the SDKs' timeout, which the
-# OpenAI Node SDK and the Anthropic SDKs send with every call (``_client_timeout``).
+# A client's own deadline, in seconds: ours, a total deadline; else the SDKs' timeout (the OpenAI
+# Node SDK's on every call; the Anthropic SDKs' where a call sets one: ``_client_timeout``).
 _SDK_TIMEOUT = "x-stainless-timeout"
 _TIMEOUT_HEADERS = ("x-request-timeout", _SDK_TIMEOUT)
 
