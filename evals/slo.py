@@ -148,7 +148,7 @@ async def calibrate(target: Target, profile_path: Path, *, write: bool, command:
     if write:
         profile = write_thresholds(profile_path, profile, measured, command)
         ratio = profile.calibration.target_ratio
-        print(f"wrote thresholds at {ratio:.0%} of the baseline to {profile_path}")
+        print(f"wrote thresholds with the baseline at {ratio:.0%} of each to {profile_path}")
     problems = calibration_verdict(profile, measured)
     for problem in problems:
         print(f"  {problem}")

@@ -27,6 +27,11 @@ PROFILE = {
         "streams": [{"name": "s", "rate": 4, "prompt_tokens": 64, "max_tokens": 16}],
     },
     "slo": {"ttft_p95_s": 5.0, "tpot_p95_s": 1.0},
+    # Calibrated at a quarter of each threshold, not the shipped half: the slow run shares the two
+    # cores with another slow drill (a replica starting, a hung one), and a p95 over 16 requests is
+    # their slowest one. At the half, CI failed a healthy graph on one 134 ms TTFT (baseline 60 ms).
+    # What this test proves is the operator's sequence, not the latency (a benchmark's claim).
+    "calibration": {"min_baseline_ratio": 0.2, "target_ratio": 0.25},
     # The victim's bound is generous on purpose: on two cores shared with the flood's own client
     # and the whole graph a 16-token victim took up to 6.2 s (load average 18, CI). What the
     # check is for here, the victim served while the flood is shed with 429s, does not need a
@@ -135,4 +140,8 @@ async def test_the_whole_gate_calibrated_then_run_failover_and_isolation_include
     named = by_name(outcomes)
     assert named["failover:drill"].status == "PASS", printed
     assert named["isolation:victim-within-slo"].status == "PASS", printed
-    assert all(named[f"slo:{m}"].status == "PASS" for m in ("ttft_p95", "tpot_p95")), printed
+    for metric in ("ttft_p95", "tpot_p95"):  # judged against the thresholds calibration wrote
+        threshold = getattr(target.profile.slo, f"{metric}_s")
+        assert threshold < PROFILE["slo"][f"{metric}_s"], printed
+        assert named[f"slo:{metric}"].status == "PASS", printed
+        assert f"<= {threshold:.4f} s" in named[f"slo:{metric}"].detail, printed
