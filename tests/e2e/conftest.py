@@ -296,12 +296,12 @@ def metrics_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def forge_url(redis_server, metrics_port):
+def serve_proxy(metrics_port) -> Iterator[str]:
+    """The session's one Ray instance and Serve, with no application yet: Serve's proxy URL.
+    The soak run alone (``.ci/run``, beside vLLM's tests) deploys its graph here, without the
+    session's (~20 processes it would never call)."""
     import ray
     from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.mock_openai import build_mock
 
     # Ray's workers inherit the driver's environment; a runtime_env would carry the key too,
     # but Ray's runtime_env agent writes every runtime_env, env_vars included, to its log.
@@ -316,19 +316,31 @@ def forge_url(redis_server, metrics_port):
     )
     port = inprocess.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    # No serve.shutdown(): direct-ingress replicas are held 5 s each; the session is over anyway.
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def forge_url(serve_proxy, redis_server):
+    """The session's graph (``forge_args``) and its mock fallback, behind Serve's proxy."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.mock_openai import build_mock
+
     serve.run(
         build_mock({"model": "mock-gemini", "api_key_env": "FORGE_TEST_FALLBACK_KEY"}),
         name="mock-fallback",
         route_prefix="/mock",
     )
     redis_url = redis_server.url if redis_server else None
+    port = urlsplit(serve_proxy).port
     serve.run(build_app(forge_args(port, redis_url)), name=APP, route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    url = serve_proxy
     # Every pool up (but the one at zero), not just the fallback.
     inprocess.wait_ready(url, lambda up: all(v for name, v in up.items() if name != COLD_POOL))
     yield url
-    # No serve.shutdown(): direct-ingress replicas are held 5 s each; the session is over anyway.
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,11 @@ four tenants, a fault every 45 s (the primary pool failing, a primary replica ki
 restarted), and afterwards nothing leaked: memory flat after the first minute, no admission
 slot, stream lease or replica stream left, usage equal to the engines' own counts.
 
-The soak's graph is two more applications beside the session's (``forge-soak`` on ``/soak`` and
-its own mock fallback), so killing its replicas and restarting its Redis (a private one, with an
-append-only file, so usage survives the restart) touches no other test's graph. Half an hour of
+The soak's graph is two applications of its own in the session's Ray and Serve (``forge-soak`` on
+``/soak`` and its own mock fallback), beside the session's graph only where other tests started it
+(run alone, as ``.ci/run`` runs it beside vLLM's tests, its graph is the only one there).
+So killing its replicas and restarting its Redis (a private one, with an append-only file, so
+usage survives the restart) touches no other test's graph. Half an hour of
 it is ``python -m loadtest.soak --minutes 30`` (docs/benchmarks.md).
 """
 
@@ -28,13 +30,13 @@ BOUND_PCT = 10.0
 
 
 @pytest.fixture(scope="module")
-def soak_graph(forge_url):
-    """The soak's apps in the session's Ray and Serve (``forge_url`` is Serve's proxy)."""
+def soak_graph(serve_proxy):
+    """The soak's apps in the session's Ray and Serve."""
     redis = soak.PersistentRedis() if shutil.which("redis-server") else None
     if redis is not None:
         redis.start()
     try:
-        yield soak.deploy(forge_url, redis)
+        yield soak.deploy(serve_proxy, redis)
     finally:
         soak.undeploy()
         if redis is not None:
