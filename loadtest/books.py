@@ -502,7 +502,7 @@ def gateway_states() -> dict[str, dict]:
 def reserve_errors() -> dict[str, int]:
     """Failed reserves counted by each live gateway replica so far, by replica id."""
     with contextlib.suppress(Exception):
-        return {rid: ops.get("reserve", 0) for rid, ops in soak.gateway_store_errors().items()}
+        return {rid: ops.get("reserve", 0) for rid, ops in soak.gateway_store_errors()[0].items()}
     return {}
 
 

@@ -1021,10 +1021,12 @@ def check_admission(admin: httpx.Client) -> Check:
     )
 
 
-def gateway_store_errors() -> dict[str, dict[str, int]]:
+def gateway_store_errors() -> tuple[dict[str, dict[str, int]], dict[str, str]]:
     """Store calls each gateway replica counted as failed, by op (``forge_store_errors_total``,
-    what ``/admin/status`` shows of the one replica that answers it)."""
+    what ``/admin/status`` shows of the one replica that answers it); and the replicas that did
+    not answer within 30 s, with their threads' Python stacks (``python_stacks``)."""
     import ray
+    from ray.exceptions import GetTimeoutError
     from ray.serve._private.constants import SERVE_NAMESPACE
 
     from serve_app.replica import admin as replica_admin
@@ -1034,11 +1036,44 @@ def gateway_store_errors() -> dict[str, dict[str, int]]:
 
         return dict(serve.get_replica_context().servable_object.metrics.store_errors_seen)
 
-    out = {}
+    out, unanswered = {}, {}
     for rid in replica_admin.replica_ids(APP, "gateway"):
         actor = ray.get_actor(f"SERVE_REPLICA::{APP}#gateway#{rid}", namespace=SERVE_NAMESPACE)
-        out[rid] = ray.get(actor.__ray_call__.remote(read), timeout=30)
-    return out
+        try:
+            out[rid] = ray.get(actor.__ray_call__.remote(read), timeout=30)
+        except GetTimeoutError:
+            unanswered[rid] = python_stacks(actor)
+    return out, unanswered
+
+
+def python_stacks(actor) -> str:
+    """A replica that does not answer: its threads' Python stacks (``py-spy dump``), which tell
+    a blocked event loop (and where) from a starved one. A run on 2026-12-07 lost a gateway so,
+    right as a pool replica was killed, with nothing left to say why (docs/operations.md, CI)."""
+    import ray
+
+    # Ray's GCS actor table (a debugging API): the worker's pid, known while the actor lives.
+    pid = ray._private.state.actors(actor_id=actor._actor_id.hex()).get("Pid")
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not pid or not Path(spy).exists():
+        return f"(no stacks: pid {pid}, py-spy {'found' if Path(spy).exists() else 'missing'})"
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return f"(no stacks: py-spy dump --pid {pid} took over 60 s)"
+    return done.stdout or done.stderr
+
+
+def check_gateways_answer(unanswered: dict[str, str]) -> Check:
+    """Every gateway replica still answers a call: one whose event loop is blocked serves no
+    request and its usage never reaches the ledger, whatever the other checks read."""
+    if unanswered:
+        stacks = "".join(f"\n--- {rid}:\n{text}" for rid, text in unanswered.items())
+        detail = f"no answer in 30 s from {sorted(unanswered)}; their Python stacks:{stacks}"
+        return Check("every gateway answers", False, detail)
+    return Check("every gateway answers", True, "each answered a call within 30 s")
 
 
 def lease_key(tenant: str) -> str:
@@ -1254,6 +1289,8 @@ def soak(
     if graph.redis is not None:
         checks.append(check_leases(graph.redis))
     checks.append(check_stream_cap(graph))
+    store_errors, unanswered = gateway_store_errors()
+    checks.append(check_gateways_answer(unanswered))
     for c in checks:
         log(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
 
@@ -1280,7 +1317,7 @@ def soak(
             "usage_rows": usage_rows(admin, days),
             "engines": engines,
             "killed_replicas": [asdict(k) for k in injector.killed],
-            "store_errors": gateway_store_errors(),
+            "store_errors": store_errors,
             "failures": failures,
             # To find an abandoned stream in the replicas' logs (by request id).
             "abandoned": [
