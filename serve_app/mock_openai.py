@@ -41,6 +41,7 @@ def create_mock_app(
     """``accepted_params``: like Gemini, a field outside them is a 400, so a test catches a
     gateway that forwards what the real fallback would refuse."""
     simulated = SimulatedEngine(model, SimulatedEngineConfig.model_validate(engine), 256)
+    simulated.stop_reason = False  # vLLM's extension: OpenAI's and Gemini's answers have none
     expected_auth = f"Bearer {api_key}" if api_key else None
 
     async def models(request: Request) -> Response:

@@ -11,9 +11,10 @@ included) in Anthropic's shape, so the ``anthropic`` SDK raises the class it wou
 Anthropic. Server tools (web search, code execution...) run on Anthropic's servers and are
 refused with a 400 naming the tool.
 
-Not knowable from a chat answer: which stop sequence ended it (``stop_sequence`` is null and
-``stop_reason`` ``end_turn``), and prompt-cache writes (``cache_creation_input_tokens`` 0).
-"""
+Which stop sequence ended an answer comes from vLLM's ``stop_reason`` (the matched stop string):
+``stop_reason`` ``stop_sequence`` and ``stop_sequence`` that string, as Anthropic answers. A
+backend that does not say (the OpenAI-compatible fallback) gives ``end_turn`` and null. Not
+knowable from a chat answer: prompt-cache writes (``cache_creation_input_tokens`` 0)."""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ class MessagesDialect:
             return status, anthropic_error(status, body.get("error") or {}, ctx.request_id)
         if ctx.api == "count_tokens":
             return status, body
-        text, calls, finish = chat_message((body.get("choices") or [{}])[0])
+        choice = (body.get("choices") or [{}])[0]
+        text, calls, finish = chat_message(choice)
         content: list[dict] = [{"type": "text", "text": text}] if text else []
         content += [
             {
@@ -150,8 +152,7 @@ class MessagesDialect:
             "role": "assistant",
             "model": exchange.model,
             "content": content,
-            "stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn"),
-            "stop_sequence": None,
+            **stop_fields(finish, choice.get("stop_reason")),
             "usage": anthropic_usage(body.get("usage")),
         }
 
@@ -175,7 +176,7 @@ class MessagesDialect:
         block = -1  # the open content block's index
         text_open = False
         calls = ToolCallDeltas()
-        usage, finish, failed = None, None, False
+        usage, finish, stop_string, failed = None, None, None, False
         async for kind, payload in chat_frames(chunks):
             if kind == "comment":
                 yield payload
@@ -213,6 +214,7 @@ class MessagesDialect:
                             block, {"type": "input_json_delta", "partial_json": arguments}
                         )
                 finish = choice.get("finish_reason") or finish
+                stop_string = choice.get("stop_reason") or stop_string
         if failed:
             return
         if block >= 0:
@@ -222,14 +224,19 @@ class MessagesDialect:
             "message_delta",
             {
                 "type": "message_delta",
-                "delta": {
-                    "stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn"),
-                    "stop_sequence": None,
-                },
+                "delta": stop_fields(finish, stop_string),
                 "usage": final,
             },
         )
         yield named_event("message_stop", {"type": "message_stop"})
+
+
+def stop_fields(finish: str | None, stop_string: object) -> dict:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` from a chat choice's finish reason and
+    vLLM's ``stop_reason`` (the stop string that ended it; a token id or null otherwise)."""
+    if finish in (None, "stop") and isinstance(stop_string, str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_string}
+    return {"stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn"), "stop_sequence": None}
 
 
 def _block_start(index: int, block: dict) -> bytes:

@@ -3,7 +3,8 @@ does over its sampler: so a client (or the eval gate) that relies on them sees t
 laptop as on the cluster.
 
 - ``stop`` (a string or a list of up to 4): the answer ends *before* the first stop string, with
-  ``finish_reason: "stop"``; text that might begin a stop string is held back until it cannot.
+  ``finish_reason: "stop"`` and, as vLLM adds, ``stop_reason``: the stop string (null when the
+  answer ended otherwise); text that might begin a stop string is held back until it cannot.
 - ``response_format`` ``json_object``: the generated words become ``{"answer": "<words>"}``;
   ``json_schema``: an object with every property of the schema's top level, the first string
   property carrying the words and the others a value of their type (string "", number 0,
@@ -37,14 +38,16 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self._held = ""
+        self.matched: str | None = None  # the stop string that ended the answer
 
     def feed(self, text: str) -> tuple[str, bool]:
         """The text that may go out now, and whether a stop string ended the answer."""
         if not self.stops:
             return text, False
         held = self._held + text
-        cut = min((i for i in (held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := held.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda hit: hit[0])  # the first in the text
             self._held = ""
             return held[:cut], True
         keep = max((_prefix_overlap(held, s) for s in self.stops), default=0)

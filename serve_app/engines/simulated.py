@@ -43,6 +43,9 @@ class SimulatedEngine(Engine):
         adapters: Collection[str] = (),
     ) -> None:
         self.model = model
+        # vLLM's ``stop_reason`` in each choice (the stop string that ended it); off where this
+        # engine plays an OpenAI-compatible API that has none (``mock_openai.py``).
+        self.stop_reason = True
         self.adapters = frozenset(adapters)  # the pool's LoRA adapters, by name
         self.config = config
         self.default_max_tokens = default_max_tokens
@@ -151,7 +154,7 @@ class SimulatedEngine(Engine):
     ) -> AsyncIterator[bytes | Usage]:
         ids, tokens, pieces, finish = self._generate_calls(body, request_id, calls)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunk = _ChunkFormat("chat", request_id, self.model, include_usage)
+        chunk = _ChunkFormat("chat", request_id, self.model, include_usage, self.stop_reason)
         generated = cached = 0
         started: set[int] = set()
         done = handed = False
@@ -208,7 +211,13 @@ class SimulatedEngine(Engine):
                 if arguments[i] or i == 0
             ],
         }
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish,
+            **({"stop_reason": None} if self.stop_reason else {}),
+        }
         return self._response("chat", request_id, choice, usage), usage
 
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
@@ -225,7 +234,7 @@ class SimulatedEngine(Engine):
             return
         ids, tokens, stopped = self._generate(body, kind, request_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
+        chunk = _ChunkFormat(kind, request_id, self.model, include_usage, self.stop_reason)
         completion_tokens = cached = 0
         done = handed = False
         try:
@@ -241,7 +250,7 @@ class SimulatedEngine(Engine):
                     if text:
                         yield chunk.token(text)
                     if finish_reason is not None:
-                        yield chunk.finish(finish_reason)
+                        yield chunk.finish(finish_reason, stopped.string)
             done = True
             usage = Usage(len(ids), completion_tokens, cached)
             if include_usage:
@@ -264,7 +273,7 @@ class SimulatedEngine(Engine):
         assert self.config.paced_tokens_per_s is not None
         ids, max_tokens = self._prepare(body, kind)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunk = _ChunkFormat(kind, request_id, self.model, include_usage)
+        chunk = _ChunkFormat(kind, request_id, self.model, include_usage, self.stop_reason)
         generated = 0
         handed = False
         try:
@@ -290,7 +299,7 @@ class SimulatedEngine(Engine):
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
         if calls:
             return await self._complete_calls(body, request_id, calls)
-        ids, tokens, _ = self._generate(body, kind, request_id)
+        ids, tokens, stopped = self._generate(body, kind, request_id)
         pieces: list[str] = []
         finish_reason = "stop"
         cached = generated = 0
@@ -306,7 +315,13 @@ class SimulatedEngine(Engine):
             answer: dict = {"message": {"role": "assistant", "content": text}}
         else:
             answer = {"text": text}
-        choice = {"index": 0, **answer, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            **answer,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            **({"stop_reason": stopped.string} if self.stop_reason else {}),
+        }
         return self._response(kind, request_id, choice, usage), usage
 
     async def _embed(self, body: dict, request_id: str) -> tuple[dict, Usage]:
@@ -394,12 +409,14 @@ class SimulatedEngine(Engine):
 
 
 class _StopFlag:
-    """Set when a stop string ended a generation (its abort is no abandonment)."""
+    """Set when a stop string ended a generation (its abort is no abandonment); ``string`` is
+    that stop string, vLLM's ``stop_reason``."""
 
-    __slots__ = ("set",)
+    __slots__ = ("set", "string")
 
     def __init__(self) -> None:
         self.set = False
+        self.string: str | None = None
 
     def __bool__(self) -> bool:
         return self.set
@@ -427,6 +444,7 @@ async def _shaped(
             text, hit = matcher.feed(text)
             if hit:
                 stopped.set = True  # closing `tokens` below aborts the rest of the generation
+                stopped.string = matcher.matched
                 yield text, "stop", out.num_cached_tokens, out.num_tokens
                 return
             if out.finish_reason is not None:
@@ -437,10 +455,13 @@ async def _shaped(
 class _ChunkFormat:
     """Pre-serialised chunk envelopes: per token only the content is encoded."""
 
-    __slots__ = ("_head", "_kind", "_tail", "_usage_head")
+    __slots__ = ("_head", "_kind", "_stop_reason", "_tail", "_usage_head")
 
-    def __init__(self, kind: Kind, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, kind: Kind, request_id: str, model: str, include_usage: bool, stop_reason: bool
+    ) -> None:
         self._kind = kind
+        self._stop_reason = stop_reason
         created = int(time.time())
         if kind == "chat":
             envelope = {"id": "chatcmpl-" + request_id, "object": "chat.completion.chunk"}
@@ -484,11 +505,14 @@ class _ChunkFormat:
             b'"finish_reason":null'
         )
 
-    def finish(self, reason: str) -> bytes:
-        reason_json = orjson.dumps(reason)
+    def finish(self, reason: str, stop_string: str | None = None) -> bytes:
+        """The last chunk: its finish reason and, as vLLM's, its ``stop_reason``."""
+        reasons = orjson.dumps(reason)
+        if self._stop_reason:
+            reasons += b',"stop_reason":' + orjson.dumps(stop_string)
         if self._kind == "chat":
-            return self._frame(b'"delta":{},"logprobs":null,"finish_reason":' + reason_json)
-        return self._frame(b'"text":"","logprobs":null,"finish_reason":' + reason_json)
+            return self._frame(b'"delta":{},"logprobs":null,"finish_reason":' + reasons)
+        return self._frame(b'"text":"","logprobs":null,"finish_reason":' + reasons)
 
     def usage(self, usage: Usage) -> bytes:
         return self._usage_head + orjson.dumps(usage.to_openai()) + b"}\n\n"

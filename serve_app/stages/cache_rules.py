@@ -85,6 +85,9 @@ class CachedAnswer:
     finish_reason: str
     usage: dict
     provenance: Provenance | None = None  # a shared-scope entry's; None in a tenant's own
+    # vLLM's ``stop_reason`` (the stop string that ended it, or null) where the backend said it,
+    # so a hit reads as the miss did; ``()`` from a backend that does not say (the fallback).
+    stop_reason: str | int | tuple[()] | None = ()
 
     def encode(self) -> bytes:
         entry: dict[str, Any] = {
@@ -95,6 +98,8 @@ class CachedAnswer:
             "finish_reason": self.finish_reason,
             "usage": self.usage,
         }
+        if self.stop_reason != ():
+            entry["stop_reason"] = self.stop_reason
         if self.provenance is not None:
             p = self.provenance
             entry["by"] = [p.writer, p.replica, p.ttft_s, p.duration_s]
@@ -119,13 +124,20 @@ class CachedAnswer:
                 data["finish_reason"],
                 data["usage"],
                 provenance,
+                data.get("stop_reason", ()),
             )
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError):
             return None
 
     def written_by(self, provenance: Provenance | None) -> CachedAnswer:
         return CachedAnswer(
-            self.route, self.model, self.text, self.finish_reason, self.usage, provenance
+            self.route,
+            self.model,
+            self.text,
+            self.finish_reason,
+            self.usage,
+            provenance,
+            self.stop_reason,
         )
 
     # -- from a backend's answer -------------------------------------------------------------
@@ -148,7 +160,8 @@ class CachedAnswer:
             return None
         if not isinstance(text, str) or finish not in ("stop", "length") or not usage:
             return None
-        return cls(route, response.get("model", ""), text, finish, usage)
+        stop = choice.get("stop_reason", ())
+        return cls(route, response.get("model", ""), text, finish, usage, None, stop)
 
     @classmethod
     def from_frames(
@@ -181,6 +194,8 @@ class CachedAnswer:
                 "finish_reason": self.finish_reason,
             }
             obj, prefix = "text_completion", "cmpl-"
+        if self.stop_reason != ():
+            choice["stop_reason"] = self.stop_reason
         return {
             "id": prefix + request_id,
             "object": obj,
@@ -216,6 +231,8 @@ class CachedAnswer:
             else:
                 choice = {"index": 0, "text": part, "logprobs": None}
             choice["finish_reason"] = self.finish_reason if last else None
+            if last and self.stop_reason != ():
+                choice["stop_reason"] = self.stop_reason
             chunks.append({**envelope, "choices": [choice], **extra})
         if include_usage:
             chunks.append({**envelope, "choices": [], "usage": self.usage})
@@ -242,7 +259,17 @@ class StreamedAnswer:
     each frame as it passes costs what decoding them all at the end did.
     """
 
-    __slots__ = ("_joined", "_limit", "_recent", "_route", "_size", "dropped", "finish", "last_at")
+    __slots__ = (
+        "_joined",
+        "_limit",
+        "_recent",
+        "_route",
+        "_size",
+        "dropped",
+        "finish",
+        "last_at",
+        "stop_reason",
+    )
 
     # A token's text is a str object of its own (~50 bytes for a few characters): they are
     # joined every this many, so what is held is about the text itself.
@@ -255,6 +282,7 @@ class StreamedAnswer:
         self._joined: list[str] = []
         self._size = 0
         self.finish: str | None = None
+        self.stop_reason: str | int | tuple[()] | None = ()  # as ``CachedAnswer``'s
         self.dropped: str | None = None  # "too_large" or "not_plain"
         self.last_at: float | None = None  # perf_counter of the last frame
 
@@ -284,6 +312,8 @@ class StreamedAnswer:
                         self._joined.append("".join(recent))
                         recent.clear()
                 self.finish = choice.get("finish_reason") or self.finish
+                if "stop_reason" in choice:  # vLLM's, with its last chunk
+                    self.stop_reason = choice["stop_reason"]
         except (orjson.JSONDecodeError, AttributeError, TypeError):
             self._drop("not_plain")
             return
@@ -298,4 +328,4 @@ class StreamedAnswer:
         if self._recent is None or self.finish not in ("stop", "length") or not usage:
             return None
         text = "".join(self._joined) + "".join(self._recent)
-        return CachedAnswer(self._route, model, text, self.finish, usage)
+        return CachedAnswer(self._route, model, text, self.finish, usage, None, self.stop_reason)

@@ -15,6 +15,7 @@ from tests.dialects.conftest import ASK, STATUS_SCHEMA, anthropic_client, http
 from tests.gateway import test_server
 from tests.gateway.test_server import CAPPED_KEY, KEY, MODEL
 
+ASKED = [{"role": "user", "content": "Tell me more"}]
 TOOL = {
     "name": "get_service_status",
     "description": "A service's status",
@@ -45,6 +46,28 @@ async def test_max_tokens_that_cut_the_answer_say_so(claude):
         model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Tell me more"}]
     )
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 1
+
+
+async def test_a_stop_sequence_that_ended_the_answer_is_named_streamed_or_not(claude):
+    ask = [{"role": "user", "content": "Tell me more"}]
+    plain = await claude.messages.create(model=MODEL, max_tokens=40, messages=ask)
+    word = plain.content[0].text.split(" ")[4]  # a word the model says mid-answer
+    stops = ["never-said", f" {word}"]
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=40, messages=ask, stop_sequences=stops
+    )
+    async with claude.messages.stream(
+        model=MODEL, max_tokens=40, messages=ask, stop_sequences=stops
+    ) as stream:
+        streamed = await stream.get_final_message()
+    for answer in (message, streamed):
+        assert (answer.stop_reason, answer.stop_sequence) == ("stop_sequence", f" {word}")
+        assert f" {word}" not in answer.content[0].text
+    # An answer that ended on its own says so, with no stop sequence.
+    ended = await claude.messages.create(
+        model=MODEL, max_tokens=40, messages=ask, stop_sequences=["never-said"]
+    )
+    assert ended.stop_reason in ("end_turn", "max_tokens") and ended.stop_sequence is None
 
 
 async def test_a_streamed_tool_round_trip(claude):
@@ -199,6 +222,14 @@ async def test_failing_replicas_fail_the_message_over_to_the_fallback(gateway: G
     assert raw.headers["x-forge-backend"] == "fallback"
     message = await raw.parse()
     assert message.content and message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    # The fallback, an OpenAI-compatible API, does not say which stop string ended an answer.
+    said = (await claude.messages.create(model=MODEL, max_tokens=40, messages=ASKED)).content
+    stop = " " + said[0].text.split(" ")[4]
+    cut = await claude.messages.create(
+        model=MODEL, max_tokens=40, messages=ASKED, stop_sequences=[stop]
+    )
+    assert stop not in cut.content[0].text
+    assert (cut.stop_reason, cut.stop_sequence) == ("end_turn", None)
 
 
 async def test_a_stream_that_breaks_after_its_first_byte_ends_with_an_error_event(

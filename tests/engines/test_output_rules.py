@@ -54,6 +54,30 @@ async def test_a_stop_string_ends_the_answer_before_it_streamed_or_not(engine):
     assert not engine.abandoned._entries  # a stop is a finish, not an abandoned stream
 
 
+async def final_choice(engine: SimulatedEngine, body: dict, request_id: str, stream: bool):
+    """The answer's last choice: the whole one, or the stream's chunk with its finish reason."""
+    if not stream:
+        response, _ = await engine.complete(body, "chat", request_id)
+        return response["choices"][0]
+    frames = [f async for f in engine.stream(body, "chat", request_id) if isinstance(f, bytes)]
+    chunks = [orjson.loads(f[len(b"data: ") :]) for f in frames]
+    (last,) = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+    return last
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_stop_string_that_ended_it_is_its_stop_reason_as_vllm_says(engine, stream):
+    plain, _, _ = await answer(engine, BODY, "plain")
+    stop = " " + plain.split(" ")[5]
+    stopped = await final_choice(engine, BODY | {"stop": ["zzz", stop]}, "s", stream)
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
+    ended = await final_choice(engine, BODY | {"stop": ["zzz"]}, "e", stream)
+    assert ended["stop_reason"] is None  # vLLM's null: it ended otherwise
+    # The engine behind the mock fallback plays an OpenAI-compatible API: no such field.
+    engine.stop_reason = False
+    assert "stop_reason" not in await final_choice(engine, BODY | {"stop": stop}, "m", stream)
+
+
 async def test_a_stop_string_never_said_changes_nothing(engine):
     plain = await answer(engine, BODY, "a")
     assert await answer(engine, BODY | {"stop": "never-said"}, "b") == plain
@@ -64,6 +88,9 @@ def test_text_that_may_start_a_stop_string_is_held_back_across_tokens():
     assert matcher.feed("one EN") == ("one ", False)
     assert matcher.feed("D") == ("", False)
     assert matcher.feed("!more") == ("", True)
+    assert matcher.matched == "END!"
+    first = StopMatcher(["later", "now"])  # the one that comes first in the text ended it
+    assert first.feed("stop now, not later") == ("stop ", True) and first.matched == "now"
     other = StopMatcher(["END!"])
     assert other.feed("one EN") == ("one ", False)
     assert other.feed("d") == ("ENd", False)

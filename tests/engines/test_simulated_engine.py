@@ -132,6 +132,7 @@ async def test_completion_stream_frames_have_text(engine):
         "text": "",
         "logprobs": None,
         "finish_reason": "stop",
+        "stop_reason": None,  # vLLM's: no stop string ended it
     }
     text = "".join(c["choices"][0]["text"] for c in chunks)
     response, _ = await engine.complete(COMPLETION, "completion", "req-2")

@@ -233,6 +233,40 @@ def test_a_stream_without_a_finish_or_without_usage_is_not_kept():
     assert answer == CachedAnswer("chat", MODEL, "Hello", "stop", USAGE)
 
 
+def test_vllms_stop_reason_is_kept_so_a_hit_reads_as_the_miss_did():
+    ended = {"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": " friend"}
+    frames = [sse.frame({"choices": [{"index": 0, "delta": {"content": "Hello"}}]})]
+    streamed = CachedAnswer.from_frames(
+        "chat", MODEL, [*frames, sse.frame({"choices": [ended]})], USAGE
+    )
+    response = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": "Hello"},
+                "finish_reason": "stop",
+                "stop_reason": " friend",
+            }
+        ],
+        "usage": USAGE,
+    }
+    whole = CachedAnswer.from_response("chat", response)
+    for answer in (streamed, whole):
+        assert answer is not None
+        stored = CachedAnswer.decode(answer.encode())
+        assert stored == answer and stored.stop_reason == " friend"
+        assert stored.response("r")["choices"][0]["stop_reason"] == " friend"
+        *chunks, _ = parse_sse(stored.frames("r", include_usage=False))
+        assert chunks[-1]["choices"][0]["stop_reason"] == " friend"
+        assert all("stop_reason" not in c["choices"][0] for c in chunks[:-1])
+    # A backend that does not say (an OpenAI-compatible fallback): nor does its hit.
+    unsaid = CachedAnswer.decode(ANSWER.encode())
+    assert unsaid is not None and "stop_reason" not in unsaid.response("r")["choices"][0]
+    assert all(
+        "stop_reason" not in c["choices"][0] for c in parse_sse(unsaid.frames("r", False))[:-1]
+    )
+
+
 def test_tool_calls_are_never_kept():
     call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}
     frames = [

@@ -105,6 +105,21 @@ async def test_chat_stream_is_vllm_chunks_then_exact_usage(engine, tokenizer):
     assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
 
 
+async def test_the_stop_string_that_ended_an_answer_is_its_stop_reason(engine):
+    """vLLM names it in the answer's last choice: what the Messages route turns into Anthropic's
+    ``stop_sequence`` (``dialects/messages.py``), and the simulated engine says alike."""
+    plain, _ = await engine.complete(chat(max_tokens=24, temperature=0), "chat", "req-plain")
+    text = plain["choices"][0]["message"]["content"]
+    assert plain["choices"][0]["stop_reason"] is None  # cut by max_tokens, no stop string
+    middle = len(text) // 2
+    stop = next(text[i : i + 3] for i in range(middle, len(text)) if text[i : i + 3].strip())
+    body = chat(max_tokens=24, temperature=0, stop=["\u2603never", stop])
+    whole, _ = await engine.complete(body, "chat", "req-stopped")
+    chunks, _ = await collect(engine, {**body, "stream": True}, request_id="req-stopped-stream")
+    for last in (whole["choices"][0], chunks[-1]["choices"][0]):
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
+
+
 async def test_closing_a_stream_aborts_the_generation_in_vllm(engine):
     body = chat(max_tokens=1800, stream=True)  # many seconds of decoding if nobody stopped it
     generated_before = generated_tokens()
