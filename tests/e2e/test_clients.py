@@ -315,7 +315,16 @@ def test_anthropic_messages_create_stream_and_a_tool_round_trip(forge_url):
         ) as stream:
             text = "".join(stream.text_stream)
         counted = client.messages.count_tokens(model=MODEL, messages=ASK)
+        stop = " " + plain.content[0].text.split(" ")[2]  # a word it says: the answer ends there
+        with client.messages.stream(
+            model=MODEL,
+            max_tokens=8,
+            messages=[{"role": "user", "content": "Hello"}],
+            stop_sequences=[stop],
+        ) as stream:
+            stopped = stream.get_final_message()
     assert plain.content[0].text and plain.usage.output_tokens > 0
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
     assert call.type == "tool_use" and call.input == {"service": "checkout"}
     assert first.stop_reason == "tool_use"
     assert text.strip()
