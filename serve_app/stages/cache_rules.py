@@ -23,7 +23,7 @@ import hashlib
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -130,15 +130,7 @@ class CachedAnswer:
             return None
 
     def written_by(self, provenance: Provenance | None) -> CachedAnswer:
-        return CachedAnswer(
-            self.route,
-            self.model,
-            self.text,
-            self.finish_reason,
-            self.usage,
-            provenance,
-            self.stop_reason,
-        )
+        return replace(self, provenance=provenance)
 
     # -- from a backend's answer -------------------------------------------------------------
 
