@@ -49,15 +49,14 @@ async def test_max_tokens_that_cut_the_answer_say_so(claude):
 
 
 async def test_a_stop_sequence_that_ended_the_answer_is_named_streamed_or_not(claude):
-    ask = [{"role": "user", "content": "Tell me more"}]
-    plain = await claude.messages.create(model=MODEL, max_tokens=40, messages=ask)
+    plain = await claude.messages.create(model=MODEL, max_tokens=40, messages=ASKED)
     word = plain.content[0].text.split(" ")[4]  # a word the model says mid-answer
     stops = ["never-said", f" {word}"]
     message = await claude.messages.create(
-        model=MODEL, max_tokens=40, messages=ask, stop_sequences=stops
+        model=MODEL, max_tokens=40, messages=ASKED, stop_sequences=stops
     )
     async with claude.messages.stream(
-        model=MODEL, max_tokens=40, messages=ask, stop_sequences=stops
+        model=MODEL, max_tokens=40, messages=ASKED, stop_sequences=stops
     ) as stream:
         streamed = await stream.get_final_message()
     for answer in (message, streamed):
@@ -65,7 +64,7 @@ async def test_a_stop_sequence_that_ended_the_answer_is_named_streamed_or_not(cl
         assert f" {word}" not in answer.content[0].text
     # An answer that ended on its own says so, with no stop sequence.
     ended = await claude.messages.create(
-        model=MODEL, max_tokens=40, messages=ask, stop_sequences=["never-said"]
+        model=MODEL, max_tokens=40, messages=ASKED, stop_sequences=["never-said"]
     )
     assert ended.stop_reason in ("end_turn", "max_tokens") and ended.stop_sequence is None
 

@@ -337,10 +337,11 @@ def forge_url(serve_proxy, redis_server):
     redis_url = redis_server.url if redis_server else None
     port = urlsplit(serve_proxy).port
     serve.run(build_app(forge_args(port, redis_url)), name=APP, route_prefix="/")
-    url = serve_proxy
     # Every pool up (but the one at zero), not just the fallback.
-    inprocess.wait_ready(url, lambda up: all(v for name, v in up.items() if name != COLD_POOL))
-    yield url
+    inprocess.wait_ready(
+        serve_proxy, lambda up: all(v for name, v in up.items() if name != COLD_POOL)
+    )
+    yield serve_proxy
 
 
 @pytest.fixture(scope="session")
