@@ -221,6 +221,10 @@ def prompt_text(body: dict, kind: str) -> str:
     """The text the model sees: the rendered chat, or the completion prompt."""
     if kind == "chat":
         tools = body.get("tools")
-        return tokenizer.render_chat(body["messages"], tools if isinstance(tools, list) else None)
+        return tokenizer.render_chat(
+            body["messages"],
+            tools if isinstance(tools, list) else None,
+            continue_final=body.get("continue_final_message") is True,
+        )
     prompt = body["prompt"]
     return prompt if isinstance(prompt, str) else prompt[0]

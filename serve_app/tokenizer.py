@@ -38,16 +38,20 @@ def count_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 
 
-def render_chat(messages: Iterable[dict], tools: list | None = None) -> str:
+def render_chat(
+    messages: Iterable[dict], tools: list | None = None, *, continue_final: bool = False
+) -> str:
     """Render chat messages with a ChatML template, ending with the assistant's turn. Tool
-    definitions and an assistant's tool calls are part of the prompt, as in real templates."""
+    definitions and an assistant's tool calls are part of the prompt, as in real templates.
+    ``continue_final`` (vLLM's ``continue_final_message``): the last message is left open, to
+    be continued, and no new turn is opened after it."""
     parts = []
     if tools:
         parts.append(f"{_SPECIAL[0]} tools\n{json.dumps(tools, sort_keys=True)} {_SPECIAL[1]}\n")
     for m in messages:
         content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(
+        if isinstance(content, list):  # content parts: the text ones, as vLLM joins them
+            content = "\n".join(
                 p.get("text") or ""
                 for p in content
                 if isinstance(p, dict) and p.get("type") == "text"
@@ -56,6 +60,9 @@ def render_chat(messages: Iterable[dict], tools: list | None = None) -> str:
         if isinstance(calls, list) and calls:
             content = (content or "") + json.dumps(calls, sort_keys=True)
         parts.append(f"{_SPECIAL[0]} {m.get('role', 'user')}\n{content or ''} {_SPECIAL[1]}\n")
+    if continue_final and parts:
+        parts[-1] = parts[-1][: -len(f" {_SPECIAL[1]}\n")]
+        return "".join(parts)
     parts.append(f"{_SPECIAL[0]} assistant\n")
     return "".join(parts)
 

@@ -12,6 +12,7 @@ failover or a metered token is the same on every route. What a chat completion c
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -106,13 +107,14 @@ def named_event(kind: str, payload: dict) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-def text_of(content: Any, *kinds: str) -> str:
-    """The text of a content field: a string, or the ``text`` of the parts of ``kinds``."""
+def text_of(content: Any, *kinds: str, sep: str = "") -> str:
+    """The text of a content field: a string, or the ``text`` of the parts of ``kinds``, joined
+    by ``sep``."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         return ""
-    return "".join(
+    return sep.join(
         p["text"]
         for p in content
         if isinstance(p, dict) and p.get("type") in kinds and isinstance(p.get("text"), str)
@@ -169,7 +171,8 @@ def assistant_turn(text: str, calls: list[dict]) -> dict:
 
 class ToolCallDeltas:
     """Chat tool-call deltas gathered per call index: what both streams announce as the call
-    opens (its id and name), and its arguments as they arrive."""
+    opens (its id and name), and its arguments as they arrive. A call the backend gave no id
+    gets one here, once, so the answer and the history a follow-up sends agree on it."""
 
     def __init__(self) -> None:
         self.calls: dict[int, dict] = {}
@@ -186,7 +189,7 @@ class ToolCallDeltas:
             opened = call is None
             if call is None:
                 call = self.calls[index] = {
-                    "id": part.get("id") or "",
+                    "id": part.get("id") or "call_" + uuid.uuid4().hex,
                     "type": "function",
                     "function": {"name": function.get("name") or "", "arguments": ""},
                 }

@@ -3,13 +3,21 @@ completions.
 
 In: ``system`` becomes the system message; ``messages`` with ``text``, ``image``,
 ``tool_use`` and ``tool_result`` blocks become chat messages (a user turn's tool results first,
-as tool messages, then its text); client tools, ``tool_choice`` (``auto``, ``any``, ``tool``,
-``none``, ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, ``temperature``,
-``top_p`` and ``metadata.user_id`` their chat equivalents. Out: the chat answer as a message,
+as tool messages, then its text; a tool result's images, which a chat tool message cannot hold,
+open that user message); a block's texts are joined by a newline, as vLLM joins a message's text
+parts; client tools, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``,
+``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``,
+``top_k``, ``metadata.user_id`` and structured outputs (``output_config.format``) their chat
+equivalents. A last assistant turn of text is a prefill: vLLM continues it
+(``continue_final_message``) and the answer is what follows it. Out: the chat answer as a message,
 its stream as Anthropic's event sequence, and every error (the pipeline's OpenAI-shaped ones
 included) in Anthropic's shape, so the ``anthropic`` SDK raises the class it would against
-Anthropic. Server tools (web search, code execution...) run on Anthropic's servers and are
-refused with a 400 naming the tool.
+Anthropic. Server tools (web search, code execution...) and MCP servers run on Anthropic's
+servers and are refused with a 400 naming the field.
+
+An answer that calls a tool says ``stop_reason: "tool_use"`` whatever its chat finish reason:
+vLLM (as OpenAI) finishes a call of a named tool (``tool_choice`` ``tool``) with ``stop``, and an
+agent loop reads ``end_turn`` as "do not run the calls".
 
 Which stop sequence ended an answer comes from vLLM's ``stop_reason`` (the matched stop string):
 ``stop_reason`` ``stop_sequence`` and ``stop_sequence`` that string, as Anthropic answers. A
@@ -51,7 +59,14 @@ _ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
     529: "overloaded_error",
+}
+# Fields that ask for Anthropic's servers: refused by name rather than silently ignored.
+_UNSERVABLE = {
+    "mcp_servers": "MCP servers are called by Anthropic's servers; declare their tools as client "
+    "tools and call the servers yourself",
+    "container": "code execution containers run on Anthropic's servers",
 }
 
 
@@ -66,9 +81,12 @@ class MessagesRequest(BaseModel):
     stream: StrictBool = False
     temperature: Annotated[float, Field(ge=0, le=1, strict=True)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1, strict=True)] | None = None
+    top_k: Annotated[int, Field(ge=0, strict=True)] | None = None
     tools: list[dict] | None = None
     tool_choice: dict | None = None
     metadata: dict | None = None
+    output_config: dict | None = None
+    output_format: dict | None = None  # the structured-outputs beta's name for the format
 
 
 class CountTokensRequest(MessagesRequest):
@@ -89,12 +107,24 @@ class MessagesDialect:
     async def to_chat(self, body: dict, ctx: RequestContext) -> dict:
         counting = ctx.api == "count_tokens"
         req = protocol.validate(body, CountTokensRequest if counting else MessagesRequest)
+        for name, why in _UNSERVABLE.items():
+            if body.get(name):
+                raise errors.invalid_request(
+                    f"'{name}' is not supported by this gateway: {why}.",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         ctx.turn = Exchange("msg_" + uuid.uuid4().hex, req.model)
-        system = text_of(req.system, "text") if req.system is not None else ""
+        system = text_of(req.system, "text", sep="\n") if req.system is not None else ""
         messages = [{"role": "system", "content": system}] if system else []
         for i, message in enumerate(req.messages):
             messages += chat_messages(message, f"messages.{i}")
         chat: dict[str, Any] = {"model": req.model, "messages": messages}
+        if _prefilled(messages):
+            # The answer continues the client's text instead of opening a turn of its own. The
+            # fallback drops both fields (``fallback.accepted_params``): it opens a new turn.
+            chat["continue_final_message"] = True
+            chat["add_generation_prompt"] = False
         if req.max_tokens is not None:
             chat["max_tokens"] = req.max_tokens
         if req.stream:
@@ -102,9 +132,12 @@ class MessagesDialect:
             chat["stream_options"] = {"include_usage": True}
         if req.stop_sequences:
             chat["stop"] = req.stop_sequences
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
                 chat[name] = getattr(req, name)
+        response_format = chat_response_format(req)
+        if response_format is not None:
+            chat["response_format"] = response_format
         user = (req.metadata or {}).get("user_id")
         if isinstance(user, str):
             chat["user"] = user
@@ -121,11 +154,14 @@ class MessagesDialect:
 
     async def answer(self, ctx: RequestContext, response: Response) -> Response:
         exchange: Exchange | None = ctx.turn
-        return await rewrite(
+        answer = await rewrite(
             response,
             lambda status, body: self._json(ctx, exchange, status, body),
             lambda chunks: self._stream(ctx, exchange, chunks),
         )
+        if ctx.request_id:
+            answer.headers["request-id"] = ctx.request_id  # where Anthropic's SDK reads it
+        return answer
 
     async def _json(
         self, ctx: RequestContext, exchange: Exchange | None, status: int, body: dict
@@ -152,7 +188,7 @@ class MessagesDialect:
             "role": "assistant",
             "model": exchange.model,
             "content": content,
-            **stop_fields(finish, choice.get("stop_reason")),
+            **stop_fields(finish, choice.get("stop_reason"), called=bool(calls)),
             "usage": anthropic_usage(body.get("usage")),
         }
 
@@ -192,6 +228,8 @@ class MessagesDialect:
                 content = delta.get("content")
                 if isinstance(content, str) and content:
                     if not text_open:
+                        if block >= 0:
+                            yield _block_stop(block)  # the tool call before it is complete
                         block += 1
                         text_open = True
                         yield _block_start(block, {"type": "text", "text": ""})
@@ -204,7 +242,7 @@ class MessagesDialect:
                         block += 1
                         tool = {
                             "type": "tool_use",
-                            "id": call["id"] or "toolu_" + uuid.uuid4().hex,
+                            "id": call["id"],
                             "name": call["function"]["name"],
                             "input": {},
                         }
@@ -224,16 +262,19 @@ class MessagesDialect:
             "message_delta",
             {
                 "type": "message_delta",
-                "delta": stop_fields(finish, stop_string),
+                "delta": stop_fields(finish, stop_string, called=bool(calls.calls)),
                 "usage": final,
             },
         )
         yield named_event("message_stop", {"type": "message_stop"})
 
 
-def stop_fields(finish: str | None, stop_string: object) -> dict:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` from a chat choice's finish reason and
-    vLLM's ``stop_reason`` (the stop string that ended it; a token id or null otherwise)."""
+def stop_fields(finish: str | None, stop_string: object, *, called: bool = False) -> dict:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` from a chat choice's finish reason,
+    vLLM's ``stop_reason`` (the stop string that ended it; a token id or null otherwise) and
+    whether the answer ``called`` a tool."""
+    if called and finish in (None, "stop", "tool_calls"):
+        return {"stop_reason": "tool_use", "stop_sequence": None}
     if finish in (None, "stop") and isinstance(stop_string, str):
         return {"stop_reason": "stop_sequence", "stop_sequence": stop_string}
     return {"stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn"), "stop_sequence": None}
@@ -303,10 +344,7 @@ def chat_messages(message: dict, param: str) -> list[dict]:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
-        raise errors.invalid_request(
-            f"Invalid value for '{param}.content': expected a string or content blocks.",
-            param=f"{param}.content",
-        )
+        raise _not_blocks(param)
     results: list[dict] = []
     parts: list[dict] = []
     calls: list[dict] = []
@@ -329,7 +367,8 @@ def chat_messages(message: dict, param: str) -> list[dict]:
                 }
             )
         elif kind == "tool_result" and role == "user":
-            text = text_of(block.get("content") or "", "text")
+            text, images = _tool_result(block.get("content") or "", where)
+            parts += images  # a chat tool message holds text: its images open the user turn
             if block.get("is_error") is True:
                 text = f"Error: {text}"
             results.append(
@@ -362,8 +401,72 @@ def chat_messages(message: dict, param: str) -> list[dict]:
 
 def _joined(parts: list[dict]) -> str | list[dict]:
     if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
+        return "\n".join(p["text"] for p in parts)
     return parts
+
+
+def _not_blocks(where: str) -> errors.ForgeError:
+    return errors.invalid_request(
+        f"Invalid value for '{where}.content': expected a string or content blocks.",
+        param=f"{where}.content",
+    )
+
+
+def _tool_result(content: object, where: str) -> tuple[str, list[dict]]:
+    """A ``tool_result``'s text, and its images as chat image parts; a 400 for a block this
+    gateway cannot carry (never dropped: the model would answer from a result it never saw)."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise _not_blocks(where)
+    texts: list[str] = []
+    images: list[dict] = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image":
+            url = _image_url(part, f"{where}.content.{k}")
+            images.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise errors.invalid_request(
+                f"Content blocks of type '{kind}' are not supported in a tool_result by this "
+                "gateway: it serves text and image.",
+                param=f"{where}.content.{k}.type",
+                code="unsupported_parameter",
+            )
+    return "\n".join(texts), images
+
+
+def _prefilled(messages: list[dict]) -> bool:
+    """Whether the conversation ends with the start of the assistant's answer (a prefill)."""
+    last = messages[-1] if messages else {}
+    return (
+        last.get("role") == "assistant"
+        and isinstance(last.get("content"), str)
+        and bool(last["content"])
+        and not last.get("tool_calls")
+    )
+
+
+def chat_response_format(req: MessagesRequest) -> dict | None:
+    """Chat's ``response_format`` for structured outputs (``output_config.format``, or the
+    beta's ``output_format``): the answer's text is JSON that validates against the schema."""
+    fmt = (req.output_config or {}).get("format") or req.output_format
+    if fmt is None:
+        return None
+    param = "output_format" if req.output_format is not None else "output_config.format"
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise errors.invalid_request(
+            f"Invalid value for '{param}': expected type json_schema with a 'schema' object.",
+            param=param,
+        )
+    schema = {"name": "output", "schema": fmt["schema"], "strict": True}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 def _image_url(block: dict, where: str) -> str:

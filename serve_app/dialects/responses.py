@@ -2,13 +2,16 @@
 
 In: ``instructions`` become the system message; ``input`` (text, or items: messages,
 ``function_call``, ``function_call_output``) the messages after the conversation that
-``previous_response_id`` names; function tools, ``tool_choice``, ``parallel_tool_calls``,
-``text.format`` (``json_schema``, ``json_object``), ``max_output_tokens``, ``temperature``,
-``top_p`` and ``user`` their chat equivalents. Out: the chat answer as a response object, or its
-stream as the Responses event sequence the official client parses. Built-in tools (web search,
-file search, code interpreter...), ``background``, ``conversation`` and reusable ``prompt``
-templates need OpenAI's servers; they are refused with a 400 naming the field, on every
-backend alike, so nothing accepted here is unservable by the fallback.
+``previous_response_id`` names (a ``developer`` message as a system message, as a chat
+model's template knows it; a function output's images, which a chat tool message cannot hold,
+as a user message after the tool messages); function tools, ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` (``json_schema``, ``json_object``),
+``max_output_tokens``, ``temperature``, ``top_p`` and ``user`` their chat equivalents. Out:
+the chat answer as a response object, or its stream as the Responses event sequence the
+official client parses. Built-in tools (web search, file search, code interpreter...),
+``background``, ``conversation`` and reusable ``prompt`` templates need OpenAI's servers; they
+are refused with a 400 naming the field, on every backend alike, so nothing accepted here is
+unservable by the fallback.
 
 OpenAI's own behaviours kept: ``store`` defaults to true; ``instructions`` are not carried
 over from a previous response; ``metadata`` is echoed and stored, never sent to the model.
@@ -36,7 +39,6 @@ from serve_app.dialects.base import (
     named_event,
     required_string,
     rewrite,
-    text_of,
 )
 from serve_app.dialects.stored import StoredResponses
 from serve_app.pipeline import RequestContext
@@ -57,8 +59,9 @@ class ResponsesRequest(BaseModel):
     model: Annotated[str, Field(min_length=1)]
     input: str | Annotated[list[dict], Field(min_length=1)]
     instructions: str | None = None
-    stream: StrictBool = False
-    store: StrictBool = True
+    # The SDK's types allow null for both (and send it when told None): null is the default.
+    stream: StrictBool | None = False
+    store: StrictBool | None = True
     previous_response_id: Annotated[str, Field(min_length=1)] | None = None
     max_output_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2, strict=True)] | None = None
@@ -131,6 +134,8 @@ class ResponsesDialect:
             if body.get(name) not in (None, False):
                 raise _unsupported(f"'{name}' is not supported by this gateway: {why}.", name)
         req = protocol.validate(body, ResponsesRequest)
+        req.stream = bool(req.stream)
+        req.store = req.store is not False
         history: list[dict] = []
         if req.previous_response_id is not None:
             record = await self.stored.get(ctx.tenant_name, req.previous_response_id)
@@ -195,6 +200,7 @@ class ResponsesDialect:
         if status != 200 or not body.get("choices"):
             return status, body  # OpenAI's error shape is the Responses API's too
         text, calls, finish = chat_message(body["choices"][0])
+        calls = [c if c.get("id") else {**c, "id": "call_" + uuid.uuid4().hex} for c in calls]
         output = ([message_item(text, "completed")] if text else []) + [
             function_call_item(c, "completed") for c in calls
         ]
@@ -229,10 +235,7 @@ class ResponsesDialect:
                 yield payload
                 continue
             if kind == "error":
-                error = {
-                    "code": payload.get("code") or "server_error",
-                    "message": payload.get("message") or "The model backend failed.",
-                }
+                error = failed_error(payload)
                 yield events(
                     "response.failed",
                     response=turn.response("failed", output, usage, error=error),
@@ -390,9 +393,24 @@ def function_call_item(call: dict, status: str) -> dict:
         "id": "fc_" + uuid.uuid4().hex,
         "type": "function_call",
         "status": status,
-        "call_id": call.get("id") or "call_" + uuid.uuid4().hex,
+        "call_id": call["id"],  # given by the backend, or by this gateway once
         "name": function.get("name", ""),
         "arguments": function.get("arguments", ""),
+    }
+
+
+# The codes a ``response.failed`` error may carry (the SDK's ``ResponseError.code``); others
+# are a server error, with the gateway's own code kept as its ``type``.
+_FAILED_CODES = frozenset({"server_error", "rate_limit_exceeded", "invalid_prompt"})
+
+
+def failed_error(error: dict) -> dict:
+    """A stream's error (OpenAI's shape) as a ``response.failed`` response's ``error``."""
+    code = error.get("code")
+    return {
+        "code": code if code in _FAILED_CODES else "server_error",
+        "message": error.get("message") or "The model backend failed.",
+        "type": code if isinstance(code, str) else error.get("type"),
     }
 
 
@@ -405,7 +423,8 @@ def responses_usage(usage: dict | None) -> dict | None:
     reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int(cached)},
+        # No prompt-cache writes are known of a chat answer (the SDK's type requires the field).
+        "input_tokens_details": {"cached_tokens": int(cached), "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": int(reasoning)},
         "total_tokens": prompt + completion,
@@ -422,9 +441,13 @@ def input_messages(value: str | list[dict]) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[dict] = []
+    images: list[dict] = []  # the function outputs' images, after their run of tool messages
     for i, item in enumerate(value):
         kind = item.get("type", "message")
         param = f"input.{i}"
+        if images and kind != "function_call_output":
+            messages.append({"role": "user", "content": images})
+            images = []
         if kind == "message":
             messages.append(_message(item, param))
         elif kind == "function_call":
@@ -443,7 +466,14 @@ def input_messages(value: str | list[dict]) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            if not isinstance(output, str | list):
+            if isinstance(output, str):
+                text = output
+            elif isinstance(output, list):
+                parts = _parts(output, f"{param}.output", ("input_text",))
+                text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+                # A chat tool message holds text: a tool's images follow it as the user's.
+                images += [p for p in parts if p["type"] == "image_url"]
+            else:
                 raise errors.invalid_request(
                     f"Invalid value for '{param}.output': expected a string or content parts.",
                     param=f"{param}.output",
@@ -452,7 +482,7 @@ def input_messages(value: str | list[dict]) -> list[dict]:
                 {
                     "role": "tool",
                     "tool_call_id": required_string(item, "call_id", param),
-                    "content": text_of(output, *_TEXT_PARTS),
+                    "content": text,
                 }
             )
         elif kind == "reasoning":
@@ -463,6 +493,8 @@ def input_messages(value: str | list[dict]) -> list[dict]:
                 "messages, function_call and function_call_output items.",
                 f"{param}.type",
             )
+    if images:
+        messages.append({"role": "user", "content": images})
     return messages
 
 
@@ -473,6 +505,9 @@ def _message(item: dict, param: str) -> dict:
             f"Invalid value for '{param}.role': expected user, assistant, system or developer.",
             param=f"{param}.role",
         )
+    # OpenAI's developer messages are system messages on a chat model's template: a template
+    # that knows no developer role (Qwen2.5's, Llama's) would leave them out of the prompt.
+    role = "system" if role == "developer" else role
     content = item.get("content")
     if isinstance(content, str):
         return {"role": role, "content": content}
@@ -481,22 +516,34 @@ def _message(item: dict, param: str) -> dict:
             f"Invalid value for '{param}.content': expected a string or content parts.",
             param=f"{param}.content",
         )
+    parts = _parts(content, f"{param}.content", _TEXT_PARTS)
+    if all(p["type"] == "text" for p in parts):
+        # Joined as vLLM joins a message's text parts for a template that takes a string.
+        return {"role": role, "content": "\n".join(p["text"] for p in parts)}
+    return {"role": role, "content": parts}
+
+
+def _parts(content: list, param: str, text_kinds: tuple[str, ...]) -> list[dict]:
+    """Content parts as chat parts: text (an empty one too) and images by URL; a 400 naming
+    any other part, never a part silently dropped."""
     parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS and isinstance(part.get("text") or part.get("refusal"), str):
-            parts.append({"type": "text", "text": part.get("text") or part.get("refusal")})
+        text = part.get("refusal" if kind == "refusal" else "text") if kind else None
+        if kind in text_kinds and isinstance(text, str):
+            parts.append({"type": "text", "text": text})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            image: dict = {"url": part["image_url"]}
+            if part.get("detail") in ("low", "high", "auto"):
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
         else:
             raise _unsupported(
-                f"Content parts of type '{kind}' are not supported by this gateway: it serves "
-                "input_text, output_text and input_image (by URL).",
-                f"{param}.content.{j}.type",
+                f"Content parts of type '{kind}' are not supported here by this gateway: it "
+                f"serves {', '.join(text_kinds)} and input_image (by URL).",
+                f"{param}.{j}.type",
             )
-    if all(p["type"] == "text" for p in parts):
-        return {"role": role, "content": "".join(p["text"] for p in parts)}
-    return {"role": role, "content": parts}
+    return parts
 
 
 def chat_tools(tools: list[dict]) -> list[dict]:

@@ -105,6 +105,11 @@ class SimulatedEngine(Engine):
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
         field = "messages" if kind == "chat" else "prompt"
+        if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+            raise errors.invalid_request(  # vLLM's check, in its words
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
         try:
             ids = tokenizer.encode(prompt_text(body, kind))
         except (KeyError, IndexError, TypeError, AttributeError):
@@ -146,7 +151,9 @@ class SimulatedEngine(Engine):
             on_abort=lambda usage: self.abandoned.record(request_id, usage),
             adapter=self._adapter(body),
         )
-        finish = "tool_calls" if len(pieces) <= max_tokens else "length"
+        # vLLM (as OpenAI) finishes a call of a named tool with "stop", others with "tool_calls".
+        named = isinstance(body.get("tool_choice"), dict)
+        finish = ("stop" if named else "tool_calls") if len(pieces) <= max_tokens else "length"
         return ids, tokens, pieces[:max_tokens], finish
 
     async def _stream_calls(

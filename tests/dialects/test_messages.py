@@ -7,6 +7,7 @@ import time
 
 import anthropic
 import pytest
+from pydantic import BaseModel
 
 from serve_app.config.models import load_config
 from serve_app.gateway.server import Gateway
@@ -123,6 +124,90 @@ async def test_tool_choice_any_and_no_parallel_calls(claude):
     assert [b.name for b in named.content] == ["open_ticket"]
 
 
+async def test_a_call_of_a_named_tool_is_tool_use_streamed_or_not(claude):
+    """vLLM (as OpenAI) finishes a named tool's call with ``stop``; an agent loop reads
+    ``end_turn`` as "do not run the calls"."""
+    ask = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "tools": [TOOL],
+        "tool_choice": {"type": "tool", "name": TOOL["name"]},
+    }
+    message = await claude.messages.create(**ask)
+    async with claude.messages.stream(**ask) as stream:
+        streamed = await stream.get_final_message()
+    for answer in (message, streamed):
+        assert [block.type for block in answer.content] == ["tool_use"]
+        assert answer.stop_reason == "tool_use"
+
+
+async def test_a_tool_results_images_reach_the_model(claude):
+    """A tool that returns a screenshot: its image goes with the result, never dropped."""
+    ask = [{"role": "user", "content": ASK}]
+    first = await claude.messages.create(model=MODEL, max_tokens=64, messages=ask, tools=[TOOL])
+    (call,) = first.content
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.test/s.png"}}
+
+    def result(*content: dict) -> list[dict]:
+        block = {"type": "tool_result", "tool_use_id": call.id, "content": list(content)}
+        turn = {"role": "assistant", "content": [c.model_dump() for c in first.content]}
+        return [*ask, turn, {"role": "user", "content": [block]}]
+
+    text = {"type": "text", "text": "the dashboard:"}
+    alone = await claude.messages.count_tokens(model=MODEL, messages=result(text), tools=[TOOL])
+    pictured = await claude.messages.count_tokens(
+        model=MODEL, messages=result(text, image), tools=[TOOL]
+    )
+    answer = await claude.messages.create(
+        model=MODEL, max_tokens=8, messages=result(text, image), tools=[TOOL]
+    )
+    assert pictured.input_tokens > alone.input_tokens  # the image is in the prompt
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == (
+        pictured.input_tokens
+    )
+    document = {"type": "document", "source": {"type": "text", "data": "x", "media_type": "t"}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await claude.messages.create(
+            model=MODEL, max_tokens=8, messages=result(text, document), tools=[TOOL]
+        )
+    assert "messages.2.content.0.content.1.type" in refused.value.message
+
+
+async def test_structured_outputs_parse_into_the_clients_model(claude):
+    class Status(BaseModel):
+        service: str
+        healthy: bool
+
+    parsed = await claude.messages.parse(
+        model=MODEL, max_tokens=64, messages=ASKED, output_format=Status
+    )
+    assert isinstance(parsed.parsed_output, Status)
+    assert parsed.stop_reason == "end_turn"
+
+
+async def test_a_prefill_is_continued_not_answered_anew(claude):
+    """The last assistant turn's text is the start of the answer: the prompt ends with it,
+    open, where a closed turn would be followed by a new assistant turn."""
+    prefill = [*ASKED, {"role": "assistant", "content": "The status is"}]
+    closed = [*ASKED, {"role": "assistant", "content": "The status is"}, *ASKED]
+    open_count = await claude.messages.count_tokens(model=MODEL, messages=prefill)
+    closed_count = await claude.messages.count_tokens(model=MODEL, messages=closed)
+    asked_count = await claude.messages.count_tokens(model=MODEL, messages=ASKED)
+    message = await claude.messages.create(model=MODEL, max_tokens=8, messages=prefill)
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == open_count.input_tokens
+    # Asked once more, the closed turn costs its end and a new turn's start; the open one not.
+    assert open_count.input_tokens < closed_count.input_tokens - asked_count.input_tokens
+    assert message.content[0].text and message.stop_reason in ("end_turn", "max_tokens")
+
+
+async def test_the_sdk_reads_the_request_id(claude):
+    raw = await claude.messages.with_raw_response.create(model=MODEL, max_tokens=2, messages=ASKED)
+    message = await raw.parse()
+    assert message._request_id == raw.headers["x-request-id"]
+
+
 async def test_count_tokens_is_what_the_budgets_reserve(claude):
     ask = [{"role": "user", "content": "Hello, Forge"}]
     counted = await claude.messages.count_tokens(model=MODEL, messages=ask, system="Be brief.")
@@ -179,6 +264,16 @@ async def test_a_bearer_key_works_as_well_as_x_api_key(gateway: Gateway):
                 "model": MODEL,
                 "max_tokens": 2,
                 "messages": [{"role": "user", "content": [{"type": "document"}]}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "x"}],
+                "mcp_servers": [{"type": "url", "url": "https://mcp.test", "name": "m"}],
             },
             400,
             "invalid_request_error",

@@ -82,6 +82,62 @@ async def test_a_function_call_and_its_output_continue_by_previous_response_id(o
     assert follow.usage.input_tokens > first.usage.input_tokens
 
 
+async def test_a_function_outputs_images_reach_the_model(oai):
+    """A tool that returns a screenshot (the Agents SDK's ``ToolOutputImage``): its image goes
+    with the result, never dropped."""
+    first = await oai.responses.create(model=MODEL, input=ASK, tools=[TOOL])
+    (call,) = first.output
+
+    async def follow_up(*output: dict):
+        item = {"type": "function_call_output", "call_id": call.call_id, "output": list(output)}
+        return await oai.responses.create(
+            model=MODEL, previous_response_id=first.id, input=[item], tools=[TOOL]
+        )
+
+    text = {"type": "input_text", "text": "the dashboard:"}
+    image = {"type": "input_image", "image_url": "https://example.test/s.png", "detail": "low"}
+    alone = await follow_up(text)
+    pictured = await follow_up(text, image)
+    assert pictured.usage.input_tokens > alone.usage.input_tokens  # the image is in the prompt
+    with pytest.raises(openai.BadRequestError) as refused:
+        await follow_up(text, {"type": "input_file", "file_id": "file-1"})
+    assert refused.value.body["param"] == "input.0.output.1.type"
+
+
+async def test_what_clients_send_as_they_are_typed_is_served(oai):
+    """Null where the SDK's types allow it, and an empty text part (LangChain sends an
+    assistant's empty string as one)."""
+    said = [
+        {"role": "user", "content": "Hello"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ""}]},
+        {"role": "user", "content": "Tell me more"},
+    ]
+    response = await oai.responses.create(
+        model=MODEL, input=said, store=None, stream=None, max_output_tokens=4
+    )
+    assert response.status in ("completed", "incomplete") and response.output_text
+    assert response.store is True  # null is the default
+
+
+async def test_a_strictly_validating_client_accepts_every_answer(gateway: Gateway):
+    """The SDK's own types, held strictly (``_strict_response_validation``): every field it
+    requires is there, plain and as a stream's final response."""
+    strict = openai.AsyncOpenAI(
+        base_url="http://forge.test/v1",
+        api_key=KEY,
+        http_client=http(gateway),
+        max_retries=0,
+        _strict_response_validation=True,
+    )
+    async with strict:
+        plain = await strict.responses.create(model=MODEL, input=ASK, tools=[TOOL])
+        async with strict.responses.stream(model=MODEL, input="Hi") as s:
+            final = await s.get_final_response()
+    assert plain.output[0].type == "function_call"
+    assert plain.usage.input_tokens_details.cache_write_tokens == 0
+    assert final.usage.output_tokens > 0
+
+
 async def test_streamed_function_call_arguments_arrive_as_deltas(oai):
     async with oai.responses.stream(model=MODEL, input=ASK, tools=[TOOL]) as stream:
         deltas = [
@@ -207,10 +263,14 @@ async def test_a_stream_that_breaks_after_its_first_byte_ends_as_response_failed
     for replica in gateway.backends["primary"].replicas.values():
         replica.set_fault({"mode": "die_mid_stream", "after_frames": 6, "exit_process": False})
     async with oai.responses.stream(model=MODEL, input="Hello", max_output_tokens=32) as stream:
-        kinds = [event.type async for event in stream]
+        seen = [event async for event in stream]
+    kinds = [event.type for event in seen]
     assert kinds[0] == "response.created"
     assert kinds[-1] == "response.failed"
     assert "response.completed" not in kinds
+    # A code the SDK's type knows; the gateway's own is the error's type.
+    error = seen[-1].response.error
+    assert error.code == "server_error" and error.type and error.message
 
 
 async def test_the_agents_sdk_runs_a_tool_using_agent_to_its_final_output(

@@ -95,3 +95,48 @@ async def test_messages_open_and_close_one_block_per_part():
     assert kinds.count("content_block_stop") == 3
     assert seen[-2]["delta"]["stop_reason"] == "tool_use"
     assert kinds[-1] == "message_stop"
+
+
+async def stream_of(*frames: bytes):
+    for frame in (*frames, sse.DONE):
+        yield frame
+
+
+def anthropic_message(seen: list[dict]):
+    """What the ``anthropic`` SDK's stream accumulator makes of the events."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    snapshot, buffers = None, {}
+    for event in seen:
+        if event["type"] != "ping":
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)
+    return snapshot
+
+
+async def translated(*frames: bytes) -> list[dict]:
+    ctx = SimpleNamespace(prompt_estimate=10, request_id="r")
+    exchange = Exchange("msg_1", "m")
+    return events([e async for e in MessagesDialect()._stream(ctx, exchange, stream_of(*frames))])
+
+
+async def test_messages_close_a_tool_call_before_the_text_after_it():
+    seen = await translated(
+        chunk(call(0, "get_service_status", '{"service": "checkout"}')),
+        chunk({"content": "Asked."}),
+        chunk({}, finish="tool_calls"),
+    )
+    opened = [e["index"] for e in seen if e["type"] == "content_block_start"]
+    closed = [e["index"] for e in seen if e["type"] == "content_block_stop"]
+    assert opened == closed == [0, 1]
+    message = anthropic_message(seen)
+    assert [b.type for b in message.content] == ["tool_use", "text"]
+    assert message.content[0].input == {"service": "checkout"}
+
+
+async def test_messages_call_it_tool_use_whatever_the_finish_reason_said():
+    """vLLM finishes a named tool's call with ``stop`` (Gemini's stream too, at times)."""
+    for finish in ("stop", None):
+        seen = await translated(chunk(call(0, "open_ticket", "{}")), chunk({}, finish=finish))
+        assert anthropic_message(seen).stop_reason == "tool_use"
+    seen = await translated(chunk(call(0, "open_ticket", '{"ti')), chunk({}, finish="length"))
+    assert anthropic_message(seen).stop_reason == "max_tokens"

@@ -166,6 +166,34 @@ async def test_a_parallel_tool_call_is_two_calls_in_one_message_streamed_or_not(
         assert json.loads(streamed.calls[i]["arguments"]) == json.loads(call.function.arguments)
 
 
+async def test_a_named_tools_call_finishes_with_stop_as_vllms_does(client):
+    """vLLM (as OpenAI) says ``tool_calls`` for a call the model chose and ``stop`` for one
+    ``tool_choice`` named."""
+    named = {"type": "function", "function": {"name": "open_ticket"}}
+    response = await client.chat.completions.create(**body(tool_choice=named))
+    stream = await client.chat.completions.create(**body(tool_choice=named), stream=True)
+    streamed = assemble([chunk async for chunk in stream])
+    assert response.choices[0].finish_reason == streamed.finish == "stop"
+    assert [c.function.name for c in response.choices[0].message.tool_calls] == ["open_ticket"]
+    assert [c["name"] for c in streamed.calls.values()] == ["open_ticket"]
+
+
+async def test_a_prefill_is_continued_and_both_flags_are_refused(client):
+    """vLLM's ``continue_final_message``: the last message is left open (no new turn after
+    it), which ``add_generation_prompt`` (on by default) must not contradict."""
+    said = [*ASK, {"role": "assistant", "content": "Checkout is"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    opened = await client.chat.completions.create(model="m", messages=said, extra_body=flags)
+    closed = await client.chat.completions.create(model="m", messages=said)
+    # The open prompt lacks the last turn's end and the new turn's start.
+    assert opened.usage.prompt_tokens < closed.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model="m", messages=said, extra_body={"continue_final_message": True}
+        )
+    assert "add_generation_prompt" in refused.value.message
+
+
 TICKET_SCHEMA = {
     "type": "object",
     "properties": {

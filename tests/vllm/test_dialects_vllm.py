@@ -80,3 +80,65 @@ def test_a_streamed_messages_tool_use_validates_against_its_schema(forge_url):
     assert [u.name for u in uses] == ["open_ticket"]
     jsonschema.validate(uses[0].input, SCHEMA)
     assert message.usage.output_tokens > 0
+    # vLLM finishes a named tool's call with "stop": Anthropic's answer says tool_use.
+    assert message.stop_reason == "tool_use"
+
+
+def test_a_messages_prefill_is_continued_by_vllm(forge_url, tokenizer):
+    """The last assistant turn's text is the answer's start: vLLM renders it open
+    (``continue_final_message``), with no new assistant turn after it."""
+    import anthropic
+
+    said = [
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": "Once upon a"},
+    ]
+    with anthropic.Anthropic(base_url=forge_url, api_key=KEY, max_retries=0) as client:
+        message = client.messages.create(
+            model=MODEL, max_tokens=4, messages=said, extra_body={"temperature": 0}
+        )
+    text = tokenizer.apply_chat_template(
+        said, continue_final_message=True, add_generation_prompt=False, tokenize=False
+    )
+    usage = message.usage
+    prompt = usage.input_tokens + usage.cache_read_input_tokens
+    assert prompt == len(tokenizer.encode(text, add_special_tokens=False))
+    assert prompt < chat_prompt_tokens(tokenizer, said)  # not closed, no turn opened after it
+
+
+def test_a_developer_message_reaches_the_template_as_a_system_message(openai_client, tokenizer):
+    response = openai_client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "Tell me a story."},
+        ],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me a story."},
+    ]
+    assert response.usage.input_tokens == chat_prompt_tokens(tokenizer, messages)
+
+
+def test_a_tool_call_signed_by_gemini_is_served_as_it_would_be_unsigned(openai_client):
+    """A conversation that went through the Gemini fallback carries its thought signatures
+    (``extra_content``) back; vLLM serves the same prompt with or without them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "open_ticket"}}
+    call["function"]["arguments"] = json.dumps({"priority": "high"})
+    signed = {**call, "extra_content": {"google": {"thought_signature": "c2lnbmVk"}}}
+
+    def prompt_tokens(made: dict) -> int:
+        said = [
+            {"role": "user", "content": ASK},
+            {"role": "assistant", "content": None, "tool_calls": [made]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "opened"},
+        ]
+        response = openai_client.chat.completions.create(
+            model=MODEL, messages=said, tools=[TICKET], max_tokens=2, temperature=0
+        )
+        return response.usage.prompt_tokens
+
+    assert prompt_tokens(signed) == prompt_tokens(call)

@@ -1,0 +1,90 @@
+"""What the dialects send the model, where a simulated model's answer cannot show it: the
+roles and text a chat template sees, and the sampling fields vLLM applies."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from serve_app.dialects.messages import MessagesDialect
+from serve_app.dialects.responses import ResponsesDialect, ResponsesRequest, Turn
+from tests.dialects.test_stream_translation import NoStore
+
+
+def ctx(api: str = "messages") -> SimpleNamespace:
+    return SimpleNamespace(api=api, tenant_name="t", turn=None)
+
+
+async def test_a_developer_message_is_a_system_message():
+    """A chat template without a developer role (Qwen2.5's, Llama's) would leave it out."""
+    body = {
+        "model": "m",
+        "input": [
+            {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+            {"role": "user", "content": "Hi"},
+        ],
+    }
+    chat = await ResponsesDialect(None).to_chat(body, ctx("responses"))
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+
+
+async def test_text_blocks_are_joined_as_vllm_joins_text_parts():
+    """Coding agents send their system prompt and turns as several blocks: not run together."""
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "system": [
+            {"type": "text", "text": "You are a CLI."},
+            {"type": "text", "text": "Be brief."},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<reminder>ctx</reminder>"},
+                    {"type": "text", "text": "look at main.py"},
+                ],
+            }
+        ],
+    }
+    chat = await MessagesDialect().to_chat(body, ctx())
+    assert [m["content"] for m in chat["messages"]] == [
+        "You are a CLI.\nBe brief.",
+        "<reminder>ctx</reminder>\nlook at main.py",
+    ]
+
+
+async def test_top_k_and_a_prefill_reach_vllm():
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "top_k": 5,
+        "messages": [
+            {"role": "user", "content": "JSON please"},
+            {"role": "assistant", "content": "{"},
+        ],
+    }
+    chat = await MessagesDialect().to_chat(body, ctx())
+    assert chat["top_k"] == 5
+    assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
+    # A turn that ends with the assistant's tool call is not a prefill.
+    call = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    body["messages"][-1] = {"role": "assistant", "content": [call]}
+    assert "continue_final_message" not in await MessagesDialect().to_chat(body, ctx())
+
+
+async def test_a_call_without_an_id_gets_one_the_follow_up_can_name():
+    store = NoStore()
+    request = ResponsesRequest.model_validate({"model": "m", "input": "x"})
+    turn = Turn("resp_1", request, {}, [{"role": "user", "content": "x"}], "t")
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}  # no id
+    answer = {
+        "choices": [{"message": {"content": None, "tool_calls": [call]}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    }
+    _, response = await ResponsesDialect(store)._json(turn, 200, answer)
+    (item,) = response["output"]
+    (kept,) = store.record["messages"][-1]["tool_calls"]
+    assert item["call_id"].startswith("call_") and kept["id"] == item["call_id"]
