@@ -2,10 +2,12 @@
 
 It is the simulated engine behind a plain OpenAI HTTP surface. ``configs/local.yaml`` runs it
 as a second Serve application on its own route prefix, and the gateway's fallback client cannot
-tell it from Gemini's OpenAI-compatible endpoint (it checks the bearer key when one is
-configured), and ``GET /stats`` tells what its engine generated (what metering tests sum
-against). ``python -m serve_app.mock_openai --port N`` serves the same app without Ray: the
-"straight to the backend" baseline of the overhead benchmark.
+tell it from Gemini's OpenAI-compatible endpoint: it checks the bearer key when one is
+configured, refuses the fields Gemini refuses, streams tool calls as Gemini does (no
+``index``, the first call signed) and refuses a turn's unsigned calls as Gemini 3 does.
+``GET /stats`` tells what its engine generated (what metering tests sum against).
+``python -m serve_app.mock_openai --port N`` serves the same app without Ray: the "straight to
+the backend" baseline of the overhead benchmark.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from serve_app import errors, protocol, sse
+from serve_app.backends.gemini_compat import unsigned_steps
 from serve_app.config.models import GEMINI_PARAMS, SimulatedEngineConfig
 from serve_app.engines.base import Kind, Usage
 from serve_app.engines.simulated import SimulatedEngine
@@ -42,6 +45,7 @@ def create_mock_app(
     gateway that forwards what the real fallback would refuse."""
     simulated = SimulatedEngine(model, SimulatedEngineConfig.model_validate(engine), 256)
     simulated.stop_reason = False  # vLLM's extension: OpenAI's and Gemini's answers have none
+    simulated.gemini_tool_calls = True  # unindexed deltas, signed calls (``gemini_compat.py``)
     expected_auth = f"Bearer {api_key}" if api_key else None
 
     async def models(request: Request) -> Response:
@@ -63,6 +67,13 @@ def create_mock_app(
                 )
             if parsed.model != model:
                 raise errors.model_not_found(parsed.model)
+            unsigned = unsigned_steps(body["messages"]) if kind == "chat" else []
+            if unsigned:  # Gemini 3's check, in its words
+                raise errors.invalid_request(
+                    f"Function call in the {unsigned[0]}. content block is missing a "
+                    "`thought_signature`.",
+                    param="messages",
+                )
             request_id = request.headers.get("x-request-id") or "mock"
             if not parsed.stream:
                 response, _ = await simulated.complete(body, kind, request_id)

@@ -1,7 +1,8 @@
 """The external fallback: any OpenAI-compatible HTTP endpoint (Gemini in production).
 
 Frames are passed through as they arrive; only the framing is parsed, and the one frame that
-carries ``usage`` (which we always ask upstream for, to meter) is decoded. The Authorization
+carries ``usage`` (which we always ask upstream for, to meter) is decoded, as is a frame with
+tool calls that lack their ``index`` (Gemini's; ``gemini_compat.py``). The Authorization
 header comes from ``credentials`` on every request, since a workload-identity token expires.
 """
 
@@ -16,6 +17,7 @@ import orjson
 from serve_app import errors, sse
 from serve_app.backends.base import paced
 from serve_app.backends.credentials import Credentials, credentials_for
+from serve_app.backends.gemini_compat import ToolCallIndexes, signed
 from serve_app.config.models import FallbackConfig
 from serve_app.engines.base import Kind
 from serve_app.tracing import carrier
@@ -59,6 +61,8 @@ class FallbackBackend:
         if accepted is not None:
             body = {k: v for k, v in body.items() if k in accepted}
         upstream = {**body, "model": self.config.model, "stream": stream}
+        if self.config.fill_thought_signatures and isinstance(body.get("messages"), list):
+            upstream["messages"] = signed(body["messages"])
         if stream:
             upstream["stream_options"] = {
                 **(body.get("stream_options") or {}),
@@ -86,9 +90,11 @@ class FallbackBackend:
             paced_frames = paced(
                 frames, c.first_token_timeout_s, c.read_timeout_s, deadline, "The fallback model"
             )
+            indexes = ToolCallIndexes()
             async for events in paced_frames:
                 batch: list = []
                 for event in events:
+                    event = indexes.mend(event)
                     if sse.frame_data(event) == b"[DONE]":
                         continue  # the gateway sends its own [DONE]
                     if _may_carry_usage(event):

@@ -508,6 +508,11 @@ class FallbackConfig(_Strict):
     # top_k or ignore_eos, `user`, `logit_bias`, `parallel_tool_calls`, ...) are dropped on the
     # way out, so a failover never turns into a client's 400 over a field. None: forward all.
     accepted_params: tuple[str, ...] | None = GEMINI_PARAMS
+    # Gemini 3 refuses a current turn's function call without its thought signature, as a call
+    # the primary made has none: such a call gets Google's placeholder on the way out
+    # (``serve_app/backends/gemini_compat.py``). Off for an upstream that is not Gemini: another
+    # API may refuse the field.
+    fill_thought_signatures: bool = True
     # The OpenAI routes the upstream serves; a pool's request on another route is not failed
     # over (its own error stands, not the upstream's 404). Gemini serves chat only.
     kinds: tuple[Literal["chat", "completion"], ...] = ("chat",)

@@ -152,7 +152,8 @@ def chat_message(choice: dict) -> tuple[str, list[dict], str | None]:
 
 
 def assistant_turn(text: str, calls: list[dict]) -> dict:
-    """What the model said, as a chat message a follow-up sends back."""
+    """What the model said, as a chat message a follow-up sends back (a call's thought
+    signature included: Gemini wants it back)."""
     message: dict = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = [
@@ -163,6 +164,7 @@ def assistant_turn(text: str, calls: list[dict]) -> dict:
                     "name": (c.get("function") or {}).get("name", ""),
                     "arguments": (c.get("function") or {}).get("arguments", ""),
                 },
+                **({"extra_content": c["extra_content"]} if "extra_content" in c else {}),
             }
             for c in calls
         ]
@@ -172,7 +174,8 @@ def assistant_turn(text: str, calls: list[dict]) -> dict:
 class ToolCallDeltas:
     """Chat tool-call deltas gathered per call index: what both streams announce as the call
     opens (its id and name), and its arguments as they arrive. A call the backend gave no id
-    gets one here, once, so the answer and the history a follow-up sends agree on it."""
+    gets one here, once, so the answer and the history a follow-up sends agree on it; a
+    Gemini thought signature (``extra_content``) stays with its call, for the follow-up."""
 
     def __init__(self) -> None:
         self.calls: dict[int, dict] = {}
@@ -193,6 +196,8 @@ class ToolCallDeltas:
                     "type": "function",
                     "function": {"name": function.get("name") or "", "arguments": ""},
                 }
+            if isinstance(part.get("extra_content"), dict):
+                call["extra_content"] = part["extra_content"]
             arguments = function.get("arguments") or ""
             call["function"]["arguments"] += arguments
             out.append((opened, call, arguments))

@@ -46,6 +46,10 @@ class SimulatedEngine(Engine):
         # vLLM's ``stop_reason`` in each choice (the stop string that ended it); off where this
         # engine plays an OpenAI-compatible API that has none (``mock_openai.py``).
         self.stop_reason = True
+        # Tool calls as Gemini's OpenAI-compatible endpoint sends them: streamed deltas without
+        # an ``index``, and the first call of an answer signed (``extra_content``); on where
+        # this engine plays that endpoint (``mock_openai.py``).
+        self.gemini_tool_calls = False
         self.adapters = frozenset(adapters)  # the pool's LoRA adapters, by name
         self.config = config
         self.default_max_tokens = default_max_tokens
@@ -178,7 +182,9 @@ class SimulatedEngine(Engine):
                         generated += 1
                         first = index not in started
                         started.add(index)
-                        yield chunk.tool_call(index, piece, calls[index] if first else None)
+                        yield chunk.tool_call(
+                            index, piece, calls[index] if first else None, self.gemini_tool_calls
+                        )
             done = True
             if generated == len(pieces):
                 yield chunk.finish(finish)
@@ -213,6 +219,7 @@ class SimulatedEngine(Engine):
                     "id": call.id,
                     "type": "function",
                     "function": {"name": call.name, "arguments": arguments[i]},
+                    **(_signature(call) if self.gemini_tool_calls and i == 0 else {}),
                 }
                 for i, call in enumerate(calls)
                 if arguments[i] or i == 0
@@ -459,6 +466,11 @@ async def _shaped(
             yield text, out.finish_reason, out.num_cached_tokens, out.num_tokens
 
 
+def _signature(call: ToolCall) -> dict:
+    """A thought signature, opaque as Gemini's are."""
+    return {"extra_content": {"google": {"thought_signature": f"sig-{call.id}"}}}
+
+
 class _ChunkFormat:
     """Pre-serialised chunk envelopes: per token only the content is encoded."""
 
@@ -497,8 +509,11 @@ class _ChunkFormat:
             )
         return self._frame(b'"text":' + content + b',"logprobs":null,"finish_reason":null')
 
-    def tool_call(self, index: int, arguments: str, call: ToolCall | None = None) -> bytes:
-        """One piece of a call's arguments; the call's first carries its id, type and name."""
+    def tool_call(
+        self, index: int, arguments: str, call: ToolCall | None = None, gemini: bool = False
+    ) -> bytes:
+        """One piece of a call's arguments; the call's first carries its id, type and name
+        (``gemini``: no index, and the answer's first call signed, as Gemini sends them)."""
         entry: dict = {"index": index, "function": {"arguments": arguments}}
         if call is not None:
             entry = {
@@ -507,6 +522,10 @@ class _ChunkFormat:
                 "type": "function",
                 "function": {"name": call.name, "arguments": arguments},
             }
+            if gemini and index == 0:
+                entry |= _signature(call)
+        if gemini:
+            del entry["index"]
         return self._frame(
             b'"delta":{"tool_calls":' + orjson.dumps([entry]) + b'},"logprobs":null,'
             b'"finish_reason":null'
