@@ -7,13 +7,14 @@ as tool messages, then its text; a tool result's images, which a chat tool messa
 open that user message); a block's texts are joined by a newline, as vLLM joins a message's text
 parts; client tools, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``,
 ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``,
-``top_k``, ``metadata.user_id`` and structured outputs (``output_config.format``) their chat
-equivalents. A last assistant turn of text is a prefill: vLLM continues it
-(``continue_final_message``) and the answer is what follows it. Out: the chat answer as a message,
-its stream as Anthropic's event sequence, and every error (the pipeline's OpenAI-shaped ones
-included) in Anthropic's shape, so the ``anthropic`` SDK raises the class it would against
-Anthropic. Server tools (web search, code execution...) and MCP servers run on Anthropic's
-servers and are refused with a 400 naming the field.
+``top_k``, ``metadata.user_id``, structured outputs (``output_config.format``) and ``seed``
+(not Anthropic's: repeatable sampling, as on chat) their chat equivalents. A last assistant
+turn of text is a prefill: vLLM continues it (``continue_final_message``) and the answer is what
+follows it. Out: the chat answer as a message, its stream as Anthropic's event sequence, and
+every error (the pipeline's OpenAI-shaped ones included) in Anthropic's shape, so the
+``anthropic`` SDK raises the class it would against Anthropic. Server tools (web search, code
+execution...) and MCP servers run on Anthropic's servers and are refused with a 400 naming the
+field.
 
 An answer that calls a tool says ``stop_reason: "tool_use"`` whatever its chat finish reason:
 vLLM (as OpenAI) finishes a call of a named tool (``tool_choice`` ``tool``) with ``stop``, and an
@@ -135,6 +136,9 @@ class MessagesDialect:
         for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
                 chat[name] = getattr(req, name)
+        seed = body.get("seed")  # not Anthropic's: sampling made repeatable, as on chat
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            chat["seed"] = seed
         response_format = chat_response_format(req)
         if response_format is not None:
             chat["response_format"] = response_format

@@ -19,7 +19,7 @@ import jsonschema
 from tests.vllm.conftest import KEY, MODEL
 from tests.vllm.test_gateway_vllm import chat_prompt_tokens
 from tests.vllm.test_tools_vllm import MAX_TOKENS as TOOLS_MAX_TOKENS
-from tests.vllm.test_tools_vllm import MESSAGES, TICKET
+from tests.vllm.test_tools_vllm import MESSAGES, SEEDS, TICKET
 
 pytestmark = pytest.mark.vllm
 
@@ -80,7 +80,26 @@ def test_a_streamed_messages_tool_use_validates_against_its_schema(forge_url):
     assert [u.name for u in uses] == ["open_ticket"]
     jsonschema.validate(uses[0].input, SCHEMA)
     assert message.usage.output_tokens > 0
-    # vLLM finishes a named tool's call with "stop": Anthropic's answer says tool_use.
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_messages_named_tool_call_is_tool_use(forge_url, seed):
+    """The chat tool test's request on /v1/messages: vLLM finishes it with "stop" there
+    (test_tools_vllm.py), which Anthropic's answer calls tool_use (``seed``, Forge's extension
+    on this route too, makes it the same tokens)."""
+    import anthropic
+
+    tool = {"name": "open_ticket", "input_schema": TICKET["function"]["parameters"]}
+    with anthropic.Anthropic(base_url=forge_url, api_key=KEY, max_retries=0) as client:
+        message = client.messages.create(
+            model=MODEL,
+            max_tokens=TOOLS_MAX_TOKENS,
+            messages=MESSAGES,
+            tools=[tool],
+            tool_choice={"type": "tool", "name": "open_ticket"},
+            extra_body={"seed": seed},
+        )
+    assert [block.type for block in message.content] == ["tool_use"]
     assert message.stop_reason == "tool_use"
 
 
