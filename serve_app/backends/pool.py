@@ -291,13 +291,16 @@ class PoolBackend(BridgedPool):
             self._unread_usage[request_id] = usage
 
     async def set_fault(self, spec: dict | None) -> dict[str, dict | None]:
-        """Each replica the router knows, by a call pinned to it."""
-        return {
-            replica_id: await self._pinned(
-                replica_id, f"admin-fault-{uuid.uuid4().hex}", "set_fault", 10.0, spec
+        """Each replica the router knows, by a call pinned to it; all at once, so a drill's
+        admin call waits for its slowest replica (a busy one's slot), not for their sum."""
+        replica_ids = sorted(self.bridge.replica_ids or ())
+        answers = await asyncio.gather(
+            *(
+                self._pinned(r, f"admin-fault-{uuid.uuid4().hex}", "set_fault", 10.0, spec)
+                for r in replica_ids
             )
-            for replica_id in sorted(self.bridge.replica_ids or ())
-        }
+        )
+        return dict(zip(replica_ids, answers, strict=True))
 
     async def abandoned_usage(
         self, request_id: str, replica_id: str, *, if_received: bool = False
