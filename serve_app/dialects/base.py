@@ -144,11 +144,20 @@ def arguments_object(arguments: str) -> dict:
 
 
 def chat_message(choice: dict) -> tuple[str, list[dict], str | None]:
-    """A chat completion choice's text, tool calls and finish reason."""
+    """A chat completion choice's text, tool calls and finish reason. A call the backend gave
+    no id gets one, once, as ``ToolCallDeltas`` gives a streamed one."""
     message = choice.get("message") or {}
     text = message.get("content") if isinstance(message.get("content"), str) else ""
-    calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
+    calls = [
+        c if c.get("id") else {**c, "id": _call_id()}
+        for c in message.get("tool_calls") or ()
+        if isinstance(c, dict)
+    ]
     return text or "", calls, choice.get("finish_reason")
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex
 
 
 def assistant_turn(text: str, calls: list[dict]) -> dict:
@@ -192,7 +201,7 @@ class ToolCallDeltas:
             opened = call is None
             if call is None:
                 call = self.calls[index] = {
-                    "id": part.get("id") or "call_" + uuid.uuid4().hex,
+                    "id": part.get("id") or _call_id(),
                     "type": "function",
                     "function": {"name": function.get("name") or "", "arguments": ""},
                 }

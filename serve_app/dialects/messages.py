@@ -180,7 +180,7 @@ class MessagesDialect:
         content += [
             {
                 "type": "tool_use",
-                "id": c.get("id") or "toolu_" + uuid.uuid4().hex,
+                "id": c["id"],
                 "name": (c.get("function") or {}).get("name", ""),
                 "input": arguments_object((c.get("function") or {}).get("arguments", "")),
             }

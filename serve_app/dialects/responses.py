@@ -200,7 +200,6 @@ class ResponsesDialect:
         if status != 200 or not body.get("choices"):
             return status, body  # OpenAI's error shape is the Responses API's too
         text, calls, finish = chat_message(body["choices"][0])
-        calls = [c if c.get("id") else {**c, "id": "call_" + uuid.uuid4().hex} for c in calls]
         output = ([message_item(text, "completed")] if text else []) + [
             function_call_item(c, "completed") for c in calls
         ]
