@@ -159,3 +159,19 @@ def test_indexes_follow_the_calls_ids_and_keep_those_given():
     assert ToolCallIndexes().mend(given) is given  # untouched, not re-encoded
     plain = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
     assert ToolCallIndexes().mend(plain) is plain
+
+
+def test_a_stored_conversation_keeps_geminis_own_signature():
+    """The Responses route's history (``assistant_turn`` over the streamed calls) sends
+    Gemini's signature back with its call, not the placeholder."""
+    from serve_app.dialects.base import ToolCallDeltas, assistant_turn
+
+    calls = ToolCallDeltas()
+    signature = {"google": {"thought_signature": "gemini's own"}}
+    part = {"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{}"}}
+    calls.feed({"tool_calls": [{**part, "extra_content": signature}]})
+    (kept,) = assistant_turn("", calls.all())["tool_calls"]
+    assert kept["extra_content"] == signature
+    assert signed([{"role": "user", "content": "x"}, assistant_turn("", calls.all())])[1] == (
+        assistant_turn("", calls.all())
+    )
