@@ -24,6 +24,11 @@ from pydantic import (
 
 from serve_app import errors, tokenizer
 
+# Where a chat message or delta carries the model's reasoning: vLLM's reasoning parser writes
+# ``reasoning``; ``reasoning_content`` is its name before vLLM 0.11 and on other servers'
+# (DeepSeek's API, SGLang, llama.cpp).
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")

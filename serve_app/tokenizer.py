@@ -42,13 +42,18 @@ def render_chat(
     messages: Iterable[dict], tools: list | None = None, *, continue_final: bool = False
 ) -> str:
     """Render chat messages with a ChatML template, ending with the assistant's turn. Tool
-    definitions and an assistant's tool calls are part of the prompt, as in real templates.
+    definitions, an assistant's tool calls and (as Qwen3's template has it) the current turn's
+    reasoning are part of the prompt, as in real templates.
     ``continue_final`` (vLLM's ``continue_final_message``): the last message is left open, to
     be continued, and no new turn is opened after it."""
     parts = []
     if tools:
         parts.append(f"{_SPECIAL[0]} tools\n{json.dumps(tools, sort_keys=True)} {_SPECIAL[1]}\n")
-    for m in messages:
+    messages = list(messages)
+    # Qwen3's template keeps an assistant's reasoning only after the last user message (the
+    # current turn's tool loop); earlier turns' reasoning is left out of the prompt.
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list):  # content parts: the text ones, as vLLM joins them
             content = "\n".join(
@@ -56,6 +61,9 @@ def render_chat(
                 for p in content
                 if isinstance(p, dict) and p.get("type") == "text"
             )
+        reasoning = m.get("reasoning") or m.get("reasoning_content")
+        if i > last_user and m.get("role") == "assistant" and isinstance(reasoning, str):
+            content = f"<think>\n{reasoning}\n</think>\n\n{content or ''}"
         calls = m.get("tool_calls")
         if isinstance(calls, list) and calls:
             content = (content or "") + json.dumps(calls, sort_keys=True)

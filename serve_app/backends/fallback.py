@@ -20,6 +20,7 @@ from serve_app.backends.credentials import Credentials, credentials_for
 from serve_app.backends.gemini_compat import ToolCallIndexes, signed
 from serve_app.config.models import FallbackConfig
 from serve_app.engines.base import Kind
+from serve_app.protocol import REASONING_FIELDS
 from serve_app.tracing import carrier
 
 _PATHS = {"chat": "chat/completions", "completion": "completions"}
@@ -61,8 +62,10 @@ class FallbackBackend:
         if accepted is not None:
             body = {k: v for k, v in body.items() if k in accepted}
         upstream = {**body, "model": self.config.model, "stream": stream}
-        if self.config.fill_thought_signatures and isinstance(body.get("messages"), list):
-            upstream["messages"] = signed(body["messages"])
+        if isinstance(body.get("messages"), list):
+            upstream["messages"] = messages = _without_reasoning(body["messages"])
+            if self.config.fill_thought_signatures:
+                upstream["messages"] = signed(messages)
         if stream:
             upstream["stream_options"] = {
                 **(body.get("stream_options") or {}),
@@ -229,3 +232,15 @@ def _redacted(text: str, request: httpx.Request | None) -> str:
         for secret in {value, value.partition(" ")[2].strip()} - {""}:
             text = text.replace(secret, "[redacted]")
     return text
+
+
+def _without_reasoning(messages: list) -> list:
+    """The conversation without the primary model's reasoning: another model's thoughts are no
+    prompt for the fallback, and an API may refuse the field (DeepSeek's refuses
+    ``reasoning_content`` in a request)."""
+    return [
+        {k: v for k, v in m.items() if k not in REASONING_FIELDS}
+        if isinstance(m, dict) and any(k in m for k in REASONING_FIELDS)
+        else m
+        for m in messages
+    ]

@@ -132,6 +132,11 @@ class SimulatedEngineConfig(_Strict):
     # this many adapters; another waits for a slot, and loading one costs adapter_load_s.
     max_loras: Annotated[int, Field(gt=0)] = 4
     adapter_load_s: Annotated[float, Field(ge=0)] = 0.0
+    # A reasoning model served with vLLM's reasoning parser: a chat answer's first this many
+    # tokens are its reasoning (``reasoning``, and ``completion_tokens_details``), unless the
+    # request turns thinking off as Qwen3's template reads it (``chat_template_kwargs``'
+    # ``enable_thinking: false``). 0: a model that does not reason, served without a parser.
+    reasoning_tokens: Annotated[int, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _ranges(self) -> SimulatedEngineConfig:

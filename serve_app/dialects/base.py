@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors, sse
 from serve_app.pipeline import RequestContext
+from serve_app.protocol import REASONING_FIELDS
 
 
 class Dialect(Protocol):
@@ -160,10 +161,29 @@ def _call_id() -> str:
     return "call_" + uuid.uuid4().hex
 
 
-def assistant_turn(text: str, calls: list[dict]) -> dict:
+def reasoning_of(message: dict) -> str:
+    """The reasoning a chat message (or a stream's delta) carries, "" if none."""
+    for name in REASONING_FIELDS:
+        value = message.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+def thinking_switch(on: bool) -> dict:
+    """The ``chat_template_kwargs`` that turn a reasoning model's thinking on or off, under
+    both names templates read: ``enable_thinking`` (Qwen3's, GLM's) and ``thinking``
+    (DeepSeek V3.1's, Granite's). vLLM hands a template only the names it uses."""
+    return {"enable_thinking": on, "thinking": on}
+
+
+def assistant_turn(text: str, calls: list[dict], reasoning: str = "") -> dict:
     """What the model said, as a chat message a follow-up sends back (a call's thought
-    signature included: Gemini wants it back)."""
+    signature included: Gemini wants it back; the model's reasoning too, which vLLM hands the
+    chat template as ``reasoning``, and a reasoning model's template keeps within a tool loop)."""
     message: dict = {"role": "assistant", "content": text or None}
+    if reasoning:
+        message["reasoning"] = reasoning
     if calls:
         message["tool_calls"] = [
             {

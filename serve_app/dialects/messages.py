@@ -10,11 +10,14 @@ parts; client tools, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``,
 ``top_k``, ``metadata.user_id``, structured outputs (``output_config.format``) and ``seed``
 (not Anthropic's: repeatable sampling, as on chat) their chat equivalents. A last assistant
 turn of text is a prefill: vLLM continues it (``continue_final_message``) and the answer is what
-follows it. Out: the chat answer as a message, its stream as Anthropic's event sequence, and
-every error (the pipeline's OpenAI-shaped ones included) in Anthropic's shape, so the
-``anthropic`` SDK raises the class it would against Anthropic. Server tools (web search, code
-execution...) and MCP servers run on Anthropic's servers and are refused with a 400 naming the
-field.
+follows it. ``thinking`` is the switch a reasoning model's template reads (off unless asked
+for, as on Anthropic's API), and a ``thinking`` block sent back is the assistant message's
+``reasoning``, which vLLM hands the template. Out: the model's reasoning (vLLM's reasoning
+parser's ``reasoning``) as a thinking block when thinking was asked for, then the chat
+answer as a message, its stream as Anthropic's event sequence, and every error (the pipeline's
+OpenAI-shaped ones included) in Anthropic's shape, so the ``anthropic`` SDK raises the class it
+would against Anthropic. Server tools (web search, code execution...) and MCP servers run on
+Anthropic's servers and are refused with a 400 naming the field.
 
 An answer that calls a tool says ``stop_reason: "tool_use"`` whatever its chat finish reason:
 vLLM (as OpenAI) finishes a call of a named tool (``tool_choice`` ``tool``) with ``stop``, and an
@@ -44,9 +47,11 @@ from serve_app.dialects.base import (
     chat_frames,
     chat_message,
     named_event,
+    reasoning_of,
     required_string,
     rewrite,
     text_of,
+    thinking_switch,
 )
 from serve_app.pipeline import RequestContext
 
@@ -88,6 +93,7 @@ class MessagesRequest(BaseModel):
     metadata: dict | None = None
     output_config: dict | None = None
     output_format: dict | None = None  # the structured-outputs beta's name for the format
+    thinking: dict | None = None
 
 
 class CountTokensRequest(MessagesRequest):
@@ -98,6 +104,9 @@ class CountTokensRequest(MessagesRequest):
 class Exchange:
     id: str
     model: str
+    # What the answer shows of the model's reasoning, by the request's ``thinking``: "shown"
+    # (thinking blocks), "omitted" (the blocks, empty: ``display: omitted``) or "hidden".
+    thinking: str = "hidden"
 
 
 class MessagesDialect:
@@ -115,7 +124,8 @@ class MessagesDialect:
                     param=name,
                     code="unsupported_parameter",
                 )
-        ctx.turn = Exchange("msg_" + uuid.uuid4().hex, req.model)
+        thinking = _thinking(req.thinking)
+        ctx.turn = Exchange("msg_" + uuid.uuid4().hex, req.model, thinking)
         system = text_of(req.system, "text", sep="\n") if req.system is not None else ""
         messages = [{"role": "system", "content": system}] if system else []
         for i, message in enumerate(req.messages):
@@ -128,6 +138,9 @@ class MessagesDialect:
             chat["add_generation_prompt"] = False
         if req.max_tokens is not None:
             chat["max_tokens"] = req.max_tokens
+        # Thinking is off unless asked for, as on Anthropic's API: a reasoning model's template
+        # (Qwen3's, and others') reads the switch; a template without it ignores it.
+        chat["chat_template_kwargs"] = thinking_switch(thinking != "hidden")
         if req.stream:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}
@@ -176,7 +189,13 @@ class MessagesDialect:
             return status, body
         choice = (body.get("choices") or [{}])[0]
         text, calls, finish = chat_message(choice)
-        content: list[dict] = [{"type": "text", "text": text}] if text else []
+        content: list[dict] = []
+        reasoning = reasoning_of(choice.get("message") or {})
+        if reasoning and exchange.thinking != "hidden":
+            shown = reasoning if exchange.thinking == "shown" else ""
+            content.append({"type": "thinking", "thinking": shown, "signature": ""})
+        if text:
+            content.append({"type": "text", "text": text})
         content += [
             {
                 "type": "tool_use",
@@ -214,7 +233,7 @@ class MessagesDialect:
         yield named_event("message_start", {"type": "message_start", "message": start})
         yield named_event("ping", {"type": "ping"})
         block = -1  # the open content block's index
-        text_open = False
+        open_kind = ""  # its type: "thinking", "text" or "tool_use"
         calls = ToolCallDeltas()
         usage, finish, stop_string, failed = None, None, None, False
         async for kind, payload in chat_frames(chunks):
@@ -229,20 +248,32 @@ class MessagesDialect:
                 usage = payload["usage"]
             for choice in payload.get("choices") or ():
                 delta = choice.get("delta") or {}
+                reasoning = reasoning_of(delta)
+                if reasoning and exchange.thinking != "hidden":
+                    if open_kind != "thinking":
+                        if block >= 0:
+                            yield _block_stop(block)
+                        block += 1
+                        open_kind = "thinking"
+                        opening = {"type": "thinking", "thinking": "", "signature": ""}
+                        yield _block_start(block, opening)
+                    if exchange.thinking == "shown":
+                        thought = {"type": "thinking_delta", "thinking": reasoning}
+                        yield _block_delta(block, thought)
                 content = delta.get("content")
                 if isinstance(content, str) and content:
-                    if not text_open:
+                    if open_kind != "text":
                         if block >= 0:
-                            yield _block_stop(block)  # the tool call before it is complete
+                            yield _block_stop(block)  # the block before it is complete
                         block += 1
-                        text_open = True
+                        open_kind = "text"
                         yield _block_start(block, {"type": "text", "text": ""})
                     yield _block_delta(block, {"type": "text_delta", "text": content})
                 for opened, call, arguments in calls.feed(delta):
                     if opened:
                         if block >= 0:
                             yield _block_stop(block)
-                        text_open = False
+                        open_kind = "tool_use"
                         block += 1
                         tool = {
                             "type": "tool_use",
@@ -352,6 +383,7 @@ def chat_messages(message: dict, param: str) -> list[dict]:
     results: list[dict] = []
     parts: list[dict] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         where = f"{param}.content.{j}"
@@ -382,8 +414,11 @@ def chat_messages(message: dict, param: str) -> list[dict]:
                     "content": text,
                 }
             )
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # a model's reasoning is not part of the next prompt
+        elif kind == "thinking" and role == "assistant":
+            if isinstance(block.get("thinking"), str) and block["thinking"]:
+                thoughts.append(block["thinking"])
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # encrypted by Anthropic for its own models: nothing a model here can read
         else:
             raise errors.invalid_request(
                 f"Content blocks of type '{kind}' are not supported in a {role} message by this "
@@ -397,6 +432,10 @@ def chat_messages(message: dict, param: str) -> list[dict]:
         turn: dict = {"role": "assistant", "content": _joined(parts) if parts else None}
         if calls:
             turn["tool_calls"] = calls
+        if thoughts:
+            # vLLM hands it to the chat template, which keeps or drops it (Qwen3's keeps the
+            # reasoning of the turns since the last user message: a tool loop's own).
+            turn["reasoning"] = "\n".join(thoughts)
         out.append(turn)
     elif parts:
         out.append({"role": "user", "content": _joined(parts)})
@@ -440,6 +479,29 @@ def _tool_result(content: object, where: str) -> tuple[str, list[dict]]:
                 code="unsupported_parameter",
             )
     return "\n".join(texts), images
+
+
+def _thinking(config: dict | None) -> str:
+    """What an answer shows of the model's reasoning ("shown", "omitted", "hidden"), by the
+    request's ``thinking``. ``budget_tokens`` is not applied: vLLM's ``thinking_token_budget``
+    needs a pool started with a reasoning config, and is a 400 on any other."""
+    if config is None:
+        return "hidden"
+    kind = config.get("type")
+    if kind == "disabled":
+        return "hidden"
+    if kind not in ("enabled", "adaptive"):
+        raise errors.invalid_request(
+            "Invalid value for 'thinking.type': expected enabled, adaptive or disabled.",
+            param="thinking.type",
+        )
+    display = config.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise errors.invalid_request(
+            "Invalid value for 'thinking.display': expected summarized or omitted.",
+            param="thinking.display",
+        )
+    return "omitted" if display == "omitted" else "shown"
 
 
 def _prefilled(messages: list[dict]) -> bool:

@@ -6,9 +6,11 @@ In: ``instructions`` become the system message; ``input`` (text, or items: messa
 model's template knows it; a function output's images, which a chat tool message cannot hold,
 as a user message after the tool messages); function tools, ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (``json_schema``, ``json_object``),
-``max_output_tokens``, ``temperature``, ``top_p`` and ``user`` their chat equivalents. Out:
-the chat answer as a response object, or its stream as the Responses event sequence the
-official client parses. Built-in tools (web search, file search, code interpreter...),
+``max_output_tokens``, ``temperature``, ``top_p`` and ``user`` their chat equivalents;
+``reasoning.effort`` is also the switch a reasoning model's template reads, and a ``reasoning``
+item's text is the next assistant message's ``reasoning``. Out: the chat answer as a response
+object (the model's reasoning first, as a reasoning item), or its stream as the Responses event
+sequence the official client parses. Built-in tools (web search, file search, code interpreter...),
 ``background``, ``conversation`` and reusable ``prompt`` templates need OpenAI's servers; they
 are refused with a 400 naming the field, on every backend alike, so nothing accepted here is
 unservable by the fallback.
@@ -37,8 +39,10 @@ from serve_app.dialects.base import (
     chat_frames,
     chat_message,
     named_event,
+    reasoning_of,
     required_string,
     rewrite,
+    thinking_switch,
 )
 from serve_app.dialects.stored import StoredResponses
 from serve_app.pipeline import RequestContext
@@ -115,10 +119,18 @@ class Turn:
             "tools": self.body.get("tools") or [],
             "top_p": req.top_p if req.top_p is not None else 1.0,
             "truncation": "disabled",
+            "reasoning": _echoed_reasoning(self.body.get("reasoning")),
             "usage": usage,
             "user": req.user,
             "metadata": req.metadata or {},
         }
+
+
+def _echoed_reasoning(reasoning: object) -> dict:
+    """The request's ``reasoning`` as the response echoes it (OpenAI's shape when none)."""
+    if isinstance(reasoning, dict):
+        return reasoning
+    return {"effort": None, "summary": None}
 
 
 class ResponsesDialect:
@@ -179,6 +191,9 @@ class ResponsesDialect:
         )
         if isinstance(effort, str):
             chat["reasoning_effort"] = effort
+            # An effort asks for reasoning, "none" for none: the switch a reasoning model's
+            # template reads (a template without one ignores it).
+            chat["chat_template_kwargs"] = thinking_switch(effort != "none")
         seed = body.get("seed")  # not OpenAI's: sampling made repeatable, as on chat
         if isinstance(seed, int) and not isinstance(seed, bool):
             chat["seed"] = seed
@@ -200,9 +215,11 @@ class ResponsesDialect:
         if status != 200 or not body.get("choices"):
             return status, body  # OpenAI's error shape is the Responses API's too
         text, calls, finish = chat_message(body["choices"][0])
-        output = ([message_item(text, "completed")] if text else []) + [
-            function_call_item(c, "completed") for c in calls
-        ]
+        reasoning = reasoning_of(body["choices"][0].get("message") or {})
+        output = ([reasoning_item(reasoning, "completed")] if reasoning else []) + (
+            [message_item(text, "completed")] if text else []
+        )
+        output += [function_call_item(c, "completed") for c in calls]
         incomplete = "max_output_tokens" if finish == "length" else None
         obj = turn.response(
             "incomplete" if incomplete else "completed",
@@ -210,12 +227,15 @@ class ResponsesDialect:
             responses_usage(body.get("usage")),
             incomplete=incomplete,
         )
-        await self._keep(turn, obj, text, calls)
+        await self._keep(turn, obj, text, calls, reasoning)
         return status, obj
 
-    async def _keep(self, turn: Turn, obj: dict, text: str, calls: list[dict]) -> None:
+    async def _keep(
+        self, turn: Turn, obj: dict, text: str, calls: list[dict], reasoning: str
+    ) -> None:
         if turn.request.store:
-            record = {"response": obj, "messages": [*turn.history, assistant_turn(text, calls)]}
+            said = assistant_turn(text, calls, reasoning)
+            record = {"response": obj, "messages": [*turn.history, said]}
             await self.stored.put(turn.tenant, turn.id, record)
 
     async def _stream(self, turn: Turn, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -224,6 +244,8 @@ class ResponsesDialect:
         yield events("response.created", response=started)
         yield events("response.in_progress", response=started)
         output: list[dict] = []
+        thought: dict | None = None  # the reasoning item, while it is open
+        reasoning: list[str] = []  # all of the answer's reasoning
         message: dict | None = None  # the text item, while it is open
         text: list[str] = []  # all of the answer's text; message_text: the open item's
         calls = ToolCallDeltas()
@@ -245,31 +267,37 @@ class ResponsesDialect:
                 usage = payload["usage"]
             for choice in payload.get("choices") or ():
                 delta = choice.get("delta") or {}
+                piece = reasoning_of(delta)
+                if piece:
+                    if thought is None:
+                        thought = reasoning_item("", "in_progress")
+                        thought_index, reasoning_start = len(output), len(reasoning)
+                        output.append(thought)
+                        for event in _opened(events, thought_index, thought, _reasoning_part("")):
+                            yield event
+                    reasoning.append(piece)
+                    kind = "response.reasoning_text.delta"
+                    yield _part_event(events, kind, thought_index, thought, delta=piece)
                 content = delta.get("content")
+                if thought is not None and (
+                    (isinstance(content, str) and content) or delta.get("tool_calls")
+                ):
+                    said = "".join(reasoning[reasoning_start:])
+                    for event in _reasoning_done(events, thought_index, thought, said):
+                        yield event
+                    thought = None
                 if isinstance(content, str) and content:
                     if message is None:
                         message = message_item("", "in_progress")
                         message_index, message_text = len(output), []
                         output.append(message)
-                        yield events(
-                            "response.output_item.added", output_index=message_index, item=message
-                        )
-                        yield events(
-                            "response.content_part.added",
-                            item_id=message["id"],
-                            output_index=message_index,
-                            content_index=0,
-                            part=_text_part(""),
-                        )
+                        for event in _opened(events, message_index, message, _text_part("")):
+                            yield event
                     text.append(content)
                     message_text.append(content)
-                    yield events(
-                        "response.output_text.delta",
-                        item_id=message["id"],
-                        output_index=message_index,
-                        content_index=0,
-                        delta=content,
-                        logprobs=[],
+                    kind = "response.output_text.delta"
+                    yield _part_event(
+                        events, kind, message_index, message, delta=content, logprobs=[]
                     )
                 for opened, call, arguments in calls.feed(delta):
                     if opened:
@@ -296,6 +324,10 @@ class ResponsesDialect:
                 finish = choice.get("finish_reason") or finish
         if failed:
             return
+        if thought is not None:
+            said = "".join(reasoning[reasoning_start:])
+            for event in _reasoning_done(events, thought_index, thought, said):
+                yield event
         if message is not None:
             for event in _text_done(events, message_index, message, message_text):
                 yield event
@@ -316,7 +348,7 @@ class ResponsesDialect:
             responses_usage(usage),
             incomplete=incomplete,
         )
-        await self._keep(turn, obj, "".join(text), calls.all())
+        await self._keep(turn, obj, "".join(text), calls.all(), "".join(reasoning))
         yield events("response.incomplete" if incomplete else "response.completed", response=obj)
 
     # -- stored responses: GET and DELETE /v1/responses/{id} ---------------------------------
@@ -352,24 +384,57 @@ def _text_done(events: _Events, index: int, message: dict, text: list[str]) -> l
     said = "".join(text)
     message["status"] = "completed"
     message["content"] = [_text_part(said)]
+    done = "response.output_text.done"
+    return _closed(events, index, message, done, _text_part(said), text=said, logprobs=[])
+
+
+def _opened(events: _Events, index: int, item: dict, part: dict) -> list[bytes]:
+    """An item opened, with its one content part."""
     return [
-        events(
-            "response.output_text.done",
-            item_id=message["id"],
-            output_index=index,
-            content_index=0,
-            text=said,
-            logprobs=[],
-        ),
-        events(
-            "response.content_part.done",
-            item_id=message["id"],
-            output_index=index,
-            content_index=0,
-            part=_text_part(said),
-        ),
-        events("response.output_item.done", output_index=index, item=message),
+        events("response.output_item.added", output_index=index, item=item),
+        _part_event(events, "response.content_part.added", index, item, part=part),
     ]
+
+
+def _reasoning_done(events: _Events, index: int, item: dict, said: str) -> list[bytes]:
+    """The open reasoning item's closing events, once the answer's text or calls begin."""
+    item["status"] = "completed"
+    item["content"] = [_reasoning_part(said)]
+    done = "response.reasoning_text.done"
+    return _closed(events, index, item, done, _reasoning_part(said), text=said)
+
+
+def _closed(
+    events: _Events, index: int, item: dict, done: str, part: dict, **fields: Any
+) -> list[bytes]:
+    """An item's one content part closed: the part's ``done`` event, then the part's, then the
+    item's."""
+    return [
+        _part_event(events, done, index, item, **fields),
+        _part_event(events, "response.content_part.done", index, item, part=part),
+        events("response.output_item.done", output_index=index, item=item),
+    ]
+
+
+def _part_event(events: _Events, kind: str, index: int, item: dict, **fields: Any) -> bytes:
+    """An event about the item's (only) content part."""
+    return events(kind, item_id=item["id"], output_index=index, content_index=0, **fields)
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(text: str, status: str) -> dict:
+    """The model's reasoning (vLLM's reasoning parser's ``reasoning``) as a reasoning item: its
+    text as ``content``, as OpenAI's open-weight models' are; no summary is made of it."""
+    return {
+        "id": "rs_" + uuid.uuid4().hex,
+        "type": "reasoning",
+        "status": status,
+        "summary": [],
+        "content": [_reasoning_part(text)] if text else [],
+    }
 
 
 def _text_part(text: str) -> dict:
@@ -441,14 +506,20 @@ def input_messages(value: str | list[dict]) -> list[dict]:
         return [{"role": "user", "content": value}]
     messages: list[dict] = []
     images: list[dict] = []  # the function outputs' images, after their run of tool messages
+    thoughts: list[str] = []  # reasoning items' text, for the assistant message after them
     for i, item in enumerate(value):
         kind = item.get("type", "message")
         param = f"input.{i}"
         if images and kind != "function_call_output":
             messages.append({"role": "user", "content": images})
             images = []
+        if kind != "reasoning" and thoughts:
+            if kind == "function_call" or (kind == "message" and item.get("role") == "assistant"):
+                messages.append({"role": "assistant", "content": None})
+                messages[-1]["reasoning"] = "\n".join(thoughts)
+            thoughts = []  # reasoning followed by no answer of its own is not the model's turn
         if kind == "message":
-            messages.append(_message(item, param))
+            _append_message(messages, _message(item, param))
         elif kind == "function_call":
             call = {
                 "id": required_string(item, "call_id", param),
@@ -485,7 +556,7 @@ def input_messages(value: str | list[dict]) -> list[dict]:
                 }
             )
         elif kind == "reasoning":
-            continue  # a model's reasoning summary is not part of the next prompt
+            thoughts += _reasoning_texts(item)
         else:
             raise _unsupported(
                 f"Input items of type '{kind}' are not supported by this gateway: it serves "
@@ -495,6 +566,38 @@ def input_messages(value: str | list[dict]) -> list[dict]:
     if images:
         messages.append({"role": "user", "content": images})
     return messages
+
+
+def _append_message(messages: list[dict], message: dict) -> None:
+    """``message`` after ``messages``; an assistant's text joins the reasoning item's message
+    just before it (reasoning, then the text it led to, are one chat message)."""
+    last = messages[-1] if messages else None
+    if (
+        message["role"] == "assistant"
+        and last is not None
+        and last["role"] == "assistant"
+        and last.get("content") is None
+        and "reasoning" in last
+        and not last.get("tool_calls")
+    ):
+        last["content"] = message["content"]
+        return
+    messages.append(message)
+
+
+def _reasoning_texts(item: dict) -> list[str]:
+    """A reasoning item's text: its ``content`` (the model's own, as this gateway returns it),
+    else its summary (an OpenAI model's); an encrypted one is OpenAI's alone to read."""
+    for field_name, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(field_name)
+        texts = [
+            p["text"]
+            for p in parts or ()
+            if isinstance(p, dict) and p.get("type") == kind and isinstance(p.get("text"), str)
+        ]
+        if any(texts):
+            return [t for t in texts if t]
+    return []
 
 
 def _message(item: dict, param: str) -> dict:

@@ -26,6 +26,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Of the completion tokens, the model's reasoning: what vLLM reports where a reasoning
+    # parser is configured (None: no parser, and no ``completion_tokens_details``).
+    reasoning_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -37,6 +40,11 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            **(
+                {"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
+                if self.reasoning_tokens is not None
+                else {}
+            ),
         }
 
 

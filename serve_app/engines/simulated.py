@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass
 
 import orjson
 
@@ -98,7 +99,19 @@ class SimulatedEngine(Engine):
             )
         except ValueError as exc:
             raise errors.invalid_request(str(exc), code="context_length_exceeded") from None
-        return ids, _shaped(tokens, body, stopped), stopped
+        return ids, _shaped(tokens, body, stopped, self._thinking(body, kind)), stopped
+
+    def _thinking(self, body: dict, kind: Kind) -> int:
+        """How many of the answer's first tokens are reasoning: the configured number on chat,
+        unless the request turns thinking off as Qwen3's template reads it."""
+        kwargs = body.get("chat_template_kwargs")
+        off = isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False
+        return 0 if kind != "chat" or off else self.config.reasoning_tokens
+
+    def _usage(self, ids: list[int], generated: int, cached: int, reasoning: int) -> Usage:
+        """Usage as vLLM counts it: reasoning tokens reported only where a parser is."""
+        parsed = self.config.reasoning_tokens > 0
+        return Usage(len(ids), generated, cached, reasoning if parsed else None)
 
     def _adapter(self, body: dict) -> str | None:
         """The request's LoRA adapter, one of the pool's (a 404 naming it otherwise)."""
@@ -248,25 +261,29 @@ class SimulatedEngine(Engine):
             return
         ids, tokens, stopped = self._generate(body, kind, request_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        shown = body.get("include_reasoning") is not False  # vLLM's switch
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage, self.stop_reason)
-        completion_tokens = cached = 0
+        completion_tokens = cached = reasoning_tokens = 0
         done = handed = False
         try:
             # Closing this stream must abort the request now, not when the GC finalises it.
             async with contextlib.aclosing(tokens):
                 # One chunk per engine output, as vLLM's serving layer streams them: a token
                 # each, or several merged for a consumer that fell behind (``_Request.take``).
-                async for text, finish_reason, cached_now, num_tokens in tokens:
-                    cached = cached_now
+                async for out in tokens:
+                    cached = out.cached
                     if completion_tokens == 0 and kind == "chat":
                         yield chunk.role()  # like vLLM: with the first token, after prefill
-                    completion_tokens += num_tokens
-                    if text:
-                        yield chunk.token(text)
-                    if finish_reason is not None:
-                        yield chunk.finish(finish_reason, stopped.string)
+                    completion_tokens += out.num_tokens
+                    reasoning_tokens += out.num_reasoning
+                    if out.reasoning and shown:
+                        yield chunk.reasoning(out.reasoning)
+                    if out.text:
+                        yield chunk.token(out.text)
+                    if out.finish_reason is not None:
+                        yield chunk.finish(out.finish_reason, stopped.string)
             done = True
-            usage = Usage(len(ids), completion_tokens, cached)
+            usage = self._usage(ids, completion_tokens, cached, reasoning_tokens)
             if include_usage:
                 yield chunk.usage(usage)
             handed = True
@@ -315,18 +332,27 @@ class SimulatedEngine(Engine):
             return await self._complete_calls(body, request_id, calls)
         ids, tokens, stopped = self._generate(body, kind, request_id)
         pieces: list[str] = []
+        thoughts: list[str] = []
         finish_reason = "stop"
-        cached = generated = 0
+        cached = generated = reasoning_tokens = 0
         async with contextlib.aclosing(tokens):
-            async for text, reason, cached_now, num_tokens in tokens:
-                cached = cached_now
-                pieces.append(text)
-                generated += num_tokens
-                finish_reason = reason or finish_reason
-        usage = Usage(len(ids), generated, cached)
+            async for out in tokens:
+                cached = out.cached
+                pieces.append(out.text)
+                thoughts.append(out.reasoning)
+                generated += out.num_tokens
+                reasoning_tokens += out.num_reasoning
+                finish_reason = out.finish_reason or finish_reason
+        usage = self._usage(ids, generated, cached, reasoning_tokens)
         text = "".join(pieces)
         if kind == "chat":
-            answer: dict = {"message": {"role": "assistant", "content": text}}
+            # As vLLM's reasoning parser splits it: content null where the answer was all
+            # reasoning; the reasoning null where there was none, or it was not asked for.
+            reasoning = "".join(thoughts) if body.get("include_reasoning") is not False else ""
+            message: dict = {"role": "assistant", "content": text}
+            if self.config.reasoning_tokens:
+                message = {**message, "content": text or None, "reasoning": reasoning or None}
+            answer: dict = {"message": message}
         else:
             answer = {"text": text}
         choice = {
@@ -436,34 +462,60 @@ class _StopFlag:
         return self.set
 
 
+@dataclass(frozen=True, slots=True)
+class _Shaped:
+    """One engine output as it goes out: its reasoning and its answer's text, split where the
+    reasoning ends, and what it holds."""
+
+    reasoning: str
+    text: str
+    finish_reason: str | None
+    cached: int
+    num_tokens: int
+    num_reasoning: int
+
+
 async def _shaped(
-    tokens: AsyncIterator[TokenOutput], body: dict, stopped: _StopFlag
-) -> AsyncIterator[tuple[str, str | None, int, int]]:
-    """Per engine output: the text that goes out, its finish reason, the cached prompt tokens
-    and the tokens it holds, with JSON mode's wrapping and stop strings applied. (A stop string
-    inside a merged output ends the text there; the output's tokens all count, since the
-    engine generated them: vLLM, which checks stop strings per step, would have stopped at it.)
+    tokens: AsyncIterator[TokenOutput], body: dict, stopped: _StopFlag, thinking: int = 0
+) -> AsyncIterator[_Shaped]:
+    """Per engine output: the reasoning (its first ``thinking`` tokens, as vLLM's reasoning
+    parser splits them off) and the answer's text, with JSON mode's wrapping and stop strings
+    applied to the answer (vLLM's grammar starts where the reasoning ends). A stop string inside
+    a merged output ends the text there; the output's tokens all count, since the engine
+    generated them: vLLM, which checks stop strings per step, would have stopped at it.
     """
     shape = JsonShape.of(body)
     matcher = StopMatcher(stop_strings(body))
     first = True
     async with contextlib.aclosing(tokens):
         async for out in tokens:
-            text = out.text
-            if shape is not None:
+            thought = min(max(thinking - out.index, 0), out.num_tokens)
+            reasoning = "".join(out.pieces[:thought]) if thought else ""
+            text = "".join(out.pieces[thought:]) if thought else out.text
+            answering = thought < out.num_tokens
+            if shape is not None and answering:
                 text = (shape.opening if first else "") + shape.escape(text)
                 if out.finish_reason == "stop":
                     text += shape.closing
-            first = False
-            text, hit = matcher.feed(text)
+                first = False
+            text, hit = matcher.feed(text) if answering else (text, False)
             if hit:
                 stopped.set = True  # closing `tokens` below aborts the rest of the generation
                 stopped.string = matcher.matched
-                yield text, "stop", out.num_cached_tokens, out.num_tokens
+                yield _Shaped(
+                    reasoning, text, "stop", out.num_cached_tokens, out.num_tokens, thought
+                )
                 return
             if out.finish_reason is not None:
                 text += matcher.flush()
-            yield text, out.finish_reason, out.num_cached_tokens, out.num_tokens
+            yield _Shaped(
+                reasoning,
+                text,
+                out.finish_reason,
+                out.num_cached_tokens,
+                out.num_tokens,
+                thought,
+            )
 
 
 def _signature(call: ToolCall) -> dict:
@@ -499,6 +551,13 @@ class _ChunkFormat:
     def role(self) -> bytes:
         return self._frame(
             b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null'
+        )
+
+    def reasoning(self, text: str) -> bytes:
+        """Reasoning, as vLLM's reasoning parser streams it (a delta of its own)."""
+        content = orjson.dumps(text)
+        return self._frame(
+            b'"delta":{"reasoning":' + content + b'},"logprobs":null,"finish_reason":null'
         )
 
     def token(self, text: str) -> bytes:

@@ -106,6 +106,7 @@ class TokenOutput:
     index: int  # of the first of these tokens in the generation
     finish_reason: FinishReason | None
     num_cached_tokens: int
+    pieces: tuple[str, ...] = ()  # each token's text: ``text`` is them joined
 
     @property
     def num_tokens(self) -> int:
@@ -349,6 +350,7 @@ class _Request:
             index=self.pending_index,
             finish_reason=self.pending_finish,
             num_cached_tokens=self.num_cached_tokens,
+            pieces=tuple(self.pending_text),
         )
         self.pending_ids, self.pending_text, self.pending_finish = [], [], None
         return output

@@ -76,6 +76,7 @@ class VLLMEngine(Engine):
         # LoRA adapters by name; vLLM serves each under "<model>:<name>" (``vllm_args.py``).
         self.adapters = {a.name: a for a in adapters}
         self._args = vllm_server_args(model, config, task, adapters)
+        _import_parser_plugins(self._args)  # before vLLM's config, which looks the parser up
         # Only a generation pool routes on its cache.
         self._kv = (
             VllmKvEventRelay(kv_events, self._engine_load)
@@ -480,6 +481,21 @@ class SchedulerLoad:
 
     def record_sleep_state(self, is_awake: int, level: int) -> None:
         """Sleep mode is not used by Forge."""
+
+
+def _import_parser_plugins(args: Any) -> None:
+    """What ``vllm serve`` does before it builds its serving layer: a tool-call or reasoning
+    parser plugin's module registers its parsers (``engine_args``' ``tool_parser_plugin``,
+    ``reasoning_parser_plugin``), or the parser it names is unknown. vLLM's engine core imports
+    the reasoning plugin for its grammar itself."""
+    if getattr(args, "tool_parser_plugin", None):
+        from vllm.tool_parsers import ToolParserManager
+
+        ToolParserManager.import_tool_parser(args.tool_parser_plugin)
+    if getattr(args, "reasoning_parser_plugin", None):
+        from vllm.reasoning import ReasoningParserManager
+
+        ReasoningParserManager.import_reasoning_parser(args.reasoning_parser_plugin)
 
 
 class StreamCounts:

@@ -25,6 +25,7 @@ KEY = "sk-test-vllm"
 MODEL = "forge-tiny"
 POOL = "tiny"
 DEPLOYMENT = f"pool-{POOL}"
+REASONING_PARSER = "forge-tiny"  # reasoning_plugin.py's
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +79,7 @@ def forge_url(tiny_model, metrics_port):
             {
                 "name": POOL,
                 "model": MODEL,
-                "engine": vllm_engine_config(tiny_model),
+                "engine": reasoning_engine(tiny_model),
                 "default_max_tokens": 32,
                 "routing": {"policy": "least_queue", "stats_period_s": 0.2},
                 "deployment": {
@@ -106,6 +107,18 @@ def forge_url(tiny_model, metrics_port):
     # No serve.shutdown(): it waits out the replicas' drain. vLLM's engine-core process
     # exits with the replica actor that ray.shutdown() ends.
     ray.shutdown()
+
+
+def reasoning_engine(tiny_model: str) -> dict:
+    """The tiny model's engine with a reasoning parser loaded as a plugin
+    (``reasoning_plugin.py``): a request that turns thinking on is answered with reasoning,
+    any other as without a parser."""
+    engine = vllm_engine_config(tiny_model)
+    engine["engine_args"] |= {
+        "reasoning_parser": REASONING_PARSER,
+        "reasoning_parser_plugin": str(Path(__file__).with_name("reasoning_plugin.py")),
+    }
+    return engine
 
 
 @pytest.fixture

@@ -161,3 +161,85 @@ def test_a_tool_call_signed_by_gemini_is_served_as_it_would_be_unsigned(openai_c
         return response.usage.prompt_tokens
 
     assert prompt_tokens(signed) == prompt_tokens(call)
+
+
+STORY = [{"role": "user", "content": "Tell me a story."}]
+THINKING_ON = {"chat_template_kwargs": {"enable_thinking": True, "thinking": True}}
+
+
+def test_thinking_is_vllms_reasoning_on_every_route_and_counted_by_vllm(openai_client, forge_url):
+    """The pool's reasoning parser (``reasoning_plugin.py``, loaded as a plugin) splits the
+    answer's reasoning off where thinking is asked for: on chat with the switch, on Messages
+    with ``thinking``, on Responses with a reasoning effort. Greedy, so each route's reasoning
+    is the same tokens, and vLLM's count of them is passed on."""
+    import anthropic
+
+    chat = openai_client.chat.completions.create(
+        model=MODEL, messages=STORY, max_tokens=8, temperature=0, extra_body=THINKING_ON
+    )
+    reasoning = (chat.choices[0].message.model_extra or {}).get("reasoning")
+    assert reasoning and chat.choices[0].message.content is None
+    # vLLM counts the tokens between the markers the answer writes: 0 for a thought opened in
+    # the prompt, as here and with DeepSeek R1's template.
+    counted = chat.usage.completion_tokens_details.reasoning_tokens
+
+    with anthropic.Anthropic(base_url=forge_url, api_key=KEY, max_retries=0) as client:
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        message = client.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=STORY,
+            thinking=thinking,
+            extra_body={"temperature": 0},
+        )
+        with client.messages.stream(
+            model=MODEL,
+            max_tokens=8,
+            messages=STORY,
+            thinking=thinking,
+            extra_body={"temperature": 0},
+        ) as stream:
+            streamed = stream.get_final_message()
+        # Without thinking asked for, the model is told not to think and the parser finds none.
+        plain = client.messages.create(
+            model=MODEL, max_tokens=8, messages=STORY, extra_body={"temperature": 0}
+        )
+    for answer in (message, streamed):
+        assert [(b.type, b.thinking) for b in answer.content] == [("thinking", reasoning)]
+        assert answer.usage.output_tokens == chat.usage.completion_tokens
+    assert [b.type for b in plain.content] == ["text"]
+
+    response = openai_client.responses.create(
+        model=MODEL, input=STORY, max_output_tokens=8, temperature=0, reasoning={"effort": "low"}
+    )
+    assert [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == reasoning
+    assert response.usage.output_tokens_details.reasoning_tokens == counted
+    with openai_client.responses.stream(
+        model=MODEL, input=STORY, max_output_tokens=8, temperature=0, reasoning={"effort": "low"}
+    ) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.reasoning_text.delta")
+    assert deltas == reasoning
+
+
+def test_a_thinking_block_sent_back_is_served_with_the_same_prompt(forge_url, tokenizer):
+    """Claude Code sends an assistant's thinking blocks back. Forge hands them to vLLM as the
+    message's ``reasoning``, for a reasoning model's template; the tiny model's ChatML template
+    has no place for it, so vLLM serves the prompt it would without them."""
+    import anthropic
+
+    thought = {"type": "thinking", "thinking": "A short one.", "signature": ""}
+    said = [
+        *STORY,
+        {"role": "assistant", "content": [thought, {"type": "text", "text": "Once."}]},
+        {"role": "user", "content": "Another."},
+    ]
+    with anthropic.Anthropic(base_url=forge_url, api_key=KEY, max_retries=0) as client:
+        message = client.messages.create(
+            model=MODEL, max_tokens=2, messages=said, extra_body={"temperature": 0}
+        )
+    plain = [*STORY, {"role": "assistant", "content": "Once."}, said[-1]]
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat_prompt_tokens(
+        tokenizer, plain
+    )
