@@ -227,8 +227,9 @@ class MessagesDialect:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            # What the gateway counted; the engine's own count comes with message_delta.
-            "usage": {**anthropic_usage(None), "input_tokens": ctx.prompt_estimate or 0},
+            # What the gateway counts (its budgets' count, where the tenant has one); the
+            # engine's own count comes with message_delta.
+            "usage": {**anthropic_usage(None), "input_tokens": _prompt_estimate(ctx)},
         }
         yield named_event("message_start", {"type": "message_start", "message": start})
         yield named_event("ping", {"type": "ping"})
@@ -302,6 +303,12 @@ class MessagesDialect:
             },
         )
         yield named_event("message_stop", {"type": "message_stop"})
+
+
+def _prompt_estimate(ctx: RequestContext) -> int:
+    if ctx.prompt_estimate is None:  # no budget of the tenant's needed it
+        ctx.prompt_estimate = protocol.count_prompt_tokens(ctx.body, ctx.route)
+    return ctx.prompt_estimate
 
 
 def stop_fields(finish: str | None, stop_string: object, *, called: bool = False) -> dict:

@@ -42,6 +42,17 @@ async def test_a_plain_message_and_its_usage(claude, oai):
     assert 0 < usage.output_tokens <= 6
 
 
+async def test_a_streams_message_start_counts_the_prompt_for_a_tenant_without_budgets(claude):
+    """Clients show the context used from ``message_start`` before the answer ends (the
+    tenant here has no token budget, which the gateway would have counted the prompt for)."""
+    async with claude.messages.stream(model=MODEL, max_tokens=4, messages=ASKED) as stream:
+        started = [e.message.usage async for e in stream if e.type == "message_start"]
+        final = (await stream.get_final_message()).usage
+    (start,) = started
+    assert start.input_tokens > 0
+    assert start.input_tokens == final.input_tokens + final.cache_read_input_tokens
+
+
 async def test_max_tokens_that_cut_the_answer_say_so(claude):
     message = await claude.messages.create(
         model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Tell me more"}]
