@@ -5,10 +5,11 @@ In: ``system`` becomes the system message; ``messages`` with ``text``, ``image``
 ``tool_use`` and ``tool_result`` blocks become chat messages (a user turn's tool results first,
 as tool messages, then its text; a tool result's images, which a chat tool message cannot hold,
 open that user message); a block's texts are joined by a newline, as vLLM joins a message's text
-parts; client tools, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``,
-``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``,
-``top_k``, ``metadata.user_id``, structured outputs (``output_config.format``) and ``seed``
-(not Anthropic's: repeatable sampling, as on chat) their chat equivalents. A last assistant
+parts, and consecutive turns of one role are one, as Anthropic combines them; client tools,
+``tool_choice`` (``auto``, ``any``, ``tool``, ``none``, ``disable_parallel_tool_use``),
+``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``metadata.user_id``,
+structured outputs (``output_config.format``) and ``seed`` (not Anthropic's: repeatable
+sampling, as on chat) their chat equivalents. A last assistant
 turn of text is a prefill: vLLM continues it (``continue_final_message``) and the answer is what
 follows it. ``thinking`` is the switch a reasoning model's template reads (off unless asked
 for, as on Anthropic's API), and a ``thinking`` block sent back is the assistant message's
@@ -129,7 +130,8 @@ class MessagesDialect:
         system = text_of(req.system, "text", sep="\n") if req.system is not None else ""
         messages = [{"role": "system", "content": system}] if system else []
         for i, message in enumerate(req.messages):
-            messages += chat_messages(message, f"messages.{i}")
+            for turn in chat_messages(message, f"messages.{i}"):
+                _append_turn(messages, turn)
         chat: dict[str, Any] = {"model": req.model, "messages": messages}
         if _prefilled(messages):
             # The answer continues the client's text instead of opening a turn of its own. The
@@ -447,6 +449,29 @@ def chat_messages(message: dict, param: str) -> list[dict]:
     elif parts:
         out.append({"role": "user", "content": _joined(parts)})
     return out
+
+
+def _append_turn(messages: list[dict], turn: dict) -> None:
+    """``turn`` after ``messages``, combined with the one before it when both are the user's or
+    both the assistant's, as Anthropic's API combines consecutive turns: a chat template that
+    insists on alternating roles (Gemma's, Mistral's) would refuse them."""
+    last = messages[-1] if messages else None
+    role = turn["role"]
+    if last is None or last["role"] != role or role not in ("user", "assistant"):
+        messages.append(turn)
+        return
+    parts = _as_parts(last.get("content")) + _as_parts(turn.get("content"))
+    last["content"] = _joined(parts) if parts else None
+    if turn.get("tool_calls"):
+        last["tool_calls"] = [*last.get("tool_calls", ()), *turn["tool_calls"]]
+    if turn.get("reasoning"):
+        last["reasoning"] = "\n".join(r for r in (last.get("reasoning"), turn["reasoning"]) if r)
+
+
+def _as_parts(content: str | list[dict] | None) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return list(content or ())
 
 
 def _joined(parts: list[dict]) -> str | list[dict]:

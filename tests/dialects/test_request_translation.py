@@ -88,3 +88,35 @@ async def test_a_call_without_an_id_gets_one_the_follow_up_can_name():
     (item,) = response["output"]
     (kept,) = store.record["messages"][-1]["tool_calls"]
     assert item["call_id"].startswith("call_") and kept["id"] == item["call_id"]
+
+
+async def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them():
+    """A template that insists on alternating roles (Gemma's, Mistral's) refuses two user
+    messages in a row; Anthropic's API takes them and combines them."""
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.test/a.png"}}
+    call = {"type": "tool_use", "id": "call_1", "name": "look", "input": {}}
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "<reminder>ctx</reminder>"},
+            {"role": "user", "content": [image, {"type": "text", "text": "look at this"}]},
+            {"role": "assistant", "content": "Looking."},
+            {"role": "assistant", "content": [call]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "ok"}],
+            },
+            {"role": "user", "content": "and?"},
+        ],
+    }
+    chat = await MessagesDialect().to_chat(body, ctx())
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "tool", "user"]
+    first, said, _, last = chat["messages"]
+    assert first["content"] == [
+        {"type": "text", "text": "<reminder>ctx</reminder>"},
+        {"type": "image_url", "image_url": {"url": "https://example.test/a.png"}},
+        {"type": "text", "text": "look at this"},
+    ]
+    assert said["content"] == "Looking." and [c["id"] for c in said["tool_calls"]] == ["call_1"]
+    assert last["content"] == "and?"
