@@ -56,6 +56,11 @@ from serve_app.dialects.base import (
 )
 from serve_app.pipeline import RequestContext
 
+# A thinking block's signature. Anthropic signs its models' thinking and checks the signature
+# when the block comes back; a model here has nothing to sign, and the gateway checks nothing.
+# Not empty: clients read an empty signature as a broken block and send its text back as the
+# user's (pydantic-ai: ``_map_thinking_part``), not as the model's reasoning.
+UNSIGNED = "forge-unsigned"
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 # Anthropic's error types by status (its SDK picks the exception class by status alone).
 _ERROR_TYPES = {
@@ -195,7 +200,7 @@ class MessagesDialect:
         reasoning = reasoning_of(choice.get("message") or {})
         if reasoning and exchange.thinking != "hidden":
             shown = reasoning if exchange.thinking == "shown" else ""
-            content.append({"type": "thinking", "thinking": shown, "signature": ""})
+            content.append({"type": "thinking", "thinking": shown, "signature": UNSIGNED})
         if text:
             content.append({"type": "text", "text": text})
         content += [
@@ -255,7 +260,7 @@ class MessagesDialect:
                 if reasoning and exchange.thinking != "hidden":
                     if open_kind != "thinking":
                         if block >= 0:
-                            yield _block_stop(block)
+                            yield _closed(block, open_kind)
                         block += 1
                         open_kind = "thinking"
                         opening = {"type": "thinking", "thinking": "", "signature": ""}
@@ -267,7 +272,7 @@ class MessagesDialect:
                 if isinstance(content, str) and content:
                     if open_kind != "text":
                         if block >= 0:
-                            yield _block_stop(block)  # the block before it is complete
+                            yield _closed(block, open_kind)  # the block before it is complete
                         block += 1
                         open_kind = "text"
                         yield _block_start(block, {"type": "text", "text": ""})
@@ -275,7 +280,7 @@ class MessagesDialect:
                 for opened, call, arguments in calls.feed(delta):
                     if opened:
                         if block >= 0:
-                            yield _block_stop(block)
+                            yield _closed(block, open_kind)
                         open_kind = "tool_use"
                         block += 1
                         tool = {
@@ -294,7 +299,7 @@ class MessagesDialect:
         if failed:
             return
         if block >= 0:
-            yield _block_stop(block)
+            yield _closed(block, open_kind)
         final = anthropic_usage(usage)
         yield named_event(
             "message_delta",
@@ -335,6 +340,14 @@ def _block_delta(index: int, delta: dict) -> bytes:
     return named_event(
         "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
     )
+
+
+def _closed(index: int, kind: str) -> bytes:
+    """The open block's end; a thinking block's signature first, as Anthropic streams it."""
+    if kind != "thinking":
+        return _block_stop(index)
+    signed = _block_delta(index, {"type": "signature_delta", "signature": UNSIGNED})
+    return signed + _block_stop(index)
 
 
 def _block_stop(index: int) -> bytes:
@@ -520,11 +533,12 @@ def _thinking(config: dict | None) -> str:
     if config is None:
         return "hidden"
     kind = config.get("type")
-    if kind == "disabled":
+    if kind in ("disabled", "between_tools"):  # the latter: thinking off, in Anthropic's words
         return "hidden"
     if kind not in ("enabled", "adaptive"):
         raise errors.invalid_request(
-            "Invalid value for 'thinking.type': expected enabled, adaptive or disabled.",
+            "Invalid value for 'thinking.type': expected enabled, adaptive, disabled or "
+            "between_tools.",
             param="thinking.type",
         )
     display = config.get("display")

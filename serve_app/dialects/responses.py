@@ -21,6 +21,7 @@ over from a previous response; ``metadata`` is echoed and stored, never sent to 
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -400,6 +401,7 @@ def _reasoning_done(events: _Events, index: int, item: dict, said: str) -> list[
     """The open reasoning item's closing events, once the answer's text or calls begin."""
     item["status"] = "completed"
     item["content"] = [_reasoning_part(said)]
+    item["encrypted_content"] = sealed(said)
     done = "response.reasoning_text.done"
     return _closed(events, index, item, done, _reasoning_part(said), text=said)
 
@@ -427,14 +429,40 @@ def _reasoning_part(text: str) -> dict:
 
 def reasoning_item(text: str, status: str) -> dict:
     """The model's reasoning (vLLM's reasoning parser's ``reasoning``) as a reasoning item: its
-    text as ``content``, as OpenAI's open-weight models' are; no summary is made of it."""
-    return {
+    text as ``content``, as OpenAI's open-weight models' are, and sealed as
+    ``encrypted_content``; no summary is made of it."""
+    item = {
         "id": "rs_" + uuid.uuid4().hex,
         "type": "reasoning",
         "status": status,
         "summary": [],
         "content": [_reasoning_part(text)] if text else [],
     }
+    if text:
+        item["encrypted_content"] = sealed(text)
+    return item
+
+
+# A reasoning item's ``encrypted_content``: its text, readable back by this gateway only in the
+# sense that OpenAI's is by OpenAI (it is no secret: the text is in ``content`` too). Clients
+# that replay reasoning by it keep it: LangChain sends back a streamed item as its
+# ``output_item.added`` (no text yet) plus the ``encrypted_content`` of its ``.done``, and with
+# ``store: false`` drops every reasoning item without one.
+_SEALED = "forge.reasoning.v1:"
+
+
+def sealed(text: str) -> str:
+    return _SEALED + base64.b64encode(text.encode()).decode()
+
+
+def _unsealed(value: object) -> str:
+    """A sealed reasoning's text; "" for another's (OpenAI's is OpenAI's alone to read)."""
+    if not isinstance(value, str) or not value.startswith(_SEALED):
+        return ""
+    try:
+        return base64.b64decode(value[len(_SEALED) :], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return ""
 
 
 def _text_part(text: str) -> dict:
@@ -587,7 +615,7 @@ def _append_message(messages: list[dict], message: dict) -> None:
 
 def _reasoning_texts(item: dict) -> list[str]:
     """A reasoning item's text: its ``content`` (the model's own, as this gateway returns it),
-    else its summary (an OpenAI model's); an encrypted one is OpenAI's alone to read."""
+    else its summary (an OpenAI model's), else what this gateway sealed in it."""
     for field_name, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(field_name)
         texts = [
@@ -597,7 +625,8 @@ def _reasoning_texts(item: dict) -> list[str]:
         ]
         if any(texts):
             return [t for t in texts if t]
-    return []
+    text = _unsealed(item.get("encrypted_content"))
+    return [text] if text else []
 
 
 def _message(item: dict, param: str) -> dict:

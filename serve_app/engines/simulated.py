@@ -151,9 +151,11 @@ class SimulatedEngine(Engine):
 
     def _generate_calls(self, body: dict, request_id: str, calls: list[ToolCall]):
         """The tool calls' arguments as the model's tokens: one generated token per piece, cut
-        where ``max_tokens`` cuts them (as a real model's are)."""
+        where ``max_tokens`` cuts them (as a real model's are); a reasoning model's reasoning
+        first (pieces of call -1: the model's own words)."""
         ids, max_tokens = self._prepare(body, "chat")
-        pieces = [
+        pieces = [(_REASONING, "")] * self._thinking(body, "chat")
+        pieces += [
             (i, piece)
             for i, call in enumerate(calls)
             for piece in (tokenizer.tokenize(call.arguments) or [call.arguments])
@@ -179,7 +181,8 @@ class SimulatedEngine(Engine):
         ids, tokens, pieces, finish = self._generate_calls(body, request_id, calls)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = _ChunkFormat("chat", request_id, self.model, include_usage, self.stop_reason)
-        generated = cached = 0
+        shown = body.get("include_reasoning") is not False  # vLLM's switch
+        generated = cached = reasoning = 0
         started: set[int] = set()
         done = handed = False
         try:
@@ -190,9 +193,14 @@ class SimulatedEngine(Engine):
                     cached = out.num_cached_tokens
                     # A merged output (a consumer that fell behind) is still a chunk per piece:
                     # the pieces exist already, so this holds no more than one chunk would.
-                    for _ in range(out.num_tokens):
+                    for k in range(out.num_tokens):
                         index, piece = pieces[generated]
                         generated += 1
+                        if index == _REASONING:
+                            reasoning += 1
+                            if shown:
+                                yield chunk.reasoning(out.pieces[k])
+                            continue
                         first = index not in started
                         started.add(index)
                         yield chunk.tool_call(
@@ -201,7 +209,7 @@ class SimulatedEngine(Engine):
             done = True
             if generated == len(pieces):
                 yield chunk.finish(finish)
-            usage = Usage(len(ids), generated, cached)
+            usage = self._usage(ids, generated, cached, reasoning)
             if include_usage:
                 yield chunk.usage(usage)
             handed = True
@@ -215,16 +223,20 @@ class SimulatedEngine(Engine):
     ) -> tuple[dict, Usage]:
         ids, tokens, pieces, finish = self._generate_calls(body, request_id, calls)
         arguments = ["" for _ in calls]
+        thoughts: list[str] = []
         generated = cached = 0
         async with contextlib.aclosing(tokens):
             async for out in tokens:
-                for _ in range(out.num_tokens):
+                for k in range(out.num_tokens):
                     index, piece = pieces[generated]
-                    arguments[index] += piece
+                    if index == _REASONING:
+                        thoughts.append(out.pieces[k])
+                    else:
+                        arguments[index] += piece
                     generated += 1
                 cached = out.num_cached_tokens
-        usage = Usage(len(ids), generated, cached)
-        message = {
+        usage = self._usage(ids, generated, cached, len(thoughts))
+        message: dict = {
             "role": "assistant",
             "content": None,
             "tool_calls": [
@@ -238,6 +250,9 @@ class SimulatedEngine(Engine):
                 if arguments[i] or i == 0
             ],
         }
+        if self.config.reasoning_tokens:
+            shown = body.get("include_reasoning") is not False
+            message["reasoning"] = "".join(thoughts) if thoughts and shown else None
         choice = {
             "index": 0,
             "message": message,
@@ -446,6 +461,9 @@ class SimulatedEngine(Engine):
 
     async def shutdown(self) -> None:
         await self.llm.close()
+
+
+_REASONING = -1  # a tool-calling answer's piece that is the model's reasoning, not a call's
 
 
 class _StopFlag:

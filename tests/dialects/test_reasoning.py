@@ -14,9 +14,11 @@ import orjson
 import pytest
 
 from serve_app.config.models import load_config
+from serve_app.dialects.messages import MessagesDialect
+from serve_app.dialects.responses import ResponsesDialect
 from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
-from tests.dialects.conftest import ASK, STATUS_SCHEMA, http, openai_client
+from tests.dialects.conftest import ASK, STATUS_SCHEMA, anthropic_client, http, openai_client
 from tests.gateway import test_server
 from tests.gateway.test_server import KEY_ENV, MODEL, UPSTREAM_KEY
 
@@ -95,7 +97,11 @@ async def test_thinking_asked_for_is_a_thinking_block_before_the_text(claude, oa
     ) as stream:
         kinds = [event.delta.type async for event in stream if event.type == "content_block_delta"]
         streamed = await stream.get_final_message()
-    assert kinds == ["thinking_delta"] * THOUGHT + ["text_delta"] * len(text.split())
+    # Anthropic's order: the thinking, its signature, then the text.
+    words = len(text.split())
+    assert kinds == ["thinking_delta"] * THOUGHT + ["signature_delta"] + ["text_delta"] * words
+    # Not empty: clients take an empty signature for a broken block (see the pydantic-ai test).
+    assert message.content[0].signature and streamed.content[0].signature
     assert [b.to_dict() for b in streamed.content] == [b.to_dict() for b in message.content]
 
 
@@ -103,10 +109,11 @@ async def test_without_thinking_asked_for_the_model_is_told_not_to_think(claude,
     _, text, _ = await chat_answer(oai, extra_body=OFF)
     message = await claude.messages.create(model=MODEL, max_tokens=40, messages=ASKED)
     assert [b.type for b in message.content] == ["text"] and message.content[0].text == text
-    disabled = await claude.messages.create(
-        model=MODEL, max_tokens=40, messages=ASKED, thinking={"type": "disabled"}
-    )
-    assert disabled.content == message.content
+    for off in ("disabled", "between_tools"):  # the latter: "thinking turned off" (the SDK)
+        disabled = await claude.messages.create(
+            model=MODEL, max_tokens=40, messages=ASKED, thinking={"type": off}
+        )
+        assert disabled.content == message.content
 
 
 async def test_thinking_display_omitted_keeps_the_block_and_not_its_text(claude):
@@ -146,10 +153,10 @@ async def test_a_tool_loops_thinking_sent_back_reaches_the_template_and_an_old_o
         tool_choice={"type": "tool", "name": TOOL["name"]},
         thinking=thinking,
     )
-    call = next(b for b in first.content if b.type == "tool_use")
+    assert [b.type for b in first.content] == ["thinking", "tool_use"]  # it thinks, then calls
+    thought, call = first.content
     said = [b.model_dump(exclude_none=True) for b in first.content]
     result = {"type": "tool_result", "tool_use_id": call.id, "content": "healthy"}
-    thought = {"type": "thinking", "thinking": "It is a status question.", "signature": ""}
 
     async def prompt_tokens(assistant: list[dict], then: list[dict]) -> int:
         messages = [*ask, {"role": "assistant", "content": assistant}, *then]
@@ -160,10 +167,11 @@ async def test_a_tool_loops_thinking_sent_back_reaches_the_template_and_an_old_o
 
     plain = [b for b in said if b["type"] != "thinking"]
     in_loop = {"role": "user", "content": [result]}
-    assert await prompt_tokens([thought, *plain], [in_loop]) > await prompt_tokens(plain, [in_loop])
+    extra = await prompt_tokens(said, [in_loop]) - await prompt_tokens(plain, [in_loop])
+    assert extra >= len(thought.thinking.split())  # the reasoning, and its template markers
     # Once the user speaks again, the earlier turn's reasoning is left out of the prompt.
     later = [in_loop, {"role": "assistant", "content": "It is healthy."}, *ASKED]
-    assert await prompt_tokens([thought, *plain], later) == await prompt_tokens(plain, later)
+    assert await prompt_tokens(said, later) == await prompt_tokens(plain, later)
 
 
 # -- OpenAI's Responses: a reasoning item ---------------------------------------------------
@@ -202,12 +210,10 @@ async def test_reasoning_effort_none_is_a_response_without_reasoning(oai):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_tool_loop_replayed_by_items_is_the_prompt_that_previous_response_id_makes(
-    oai, stream
-):
-    """The Agents SDK replays the output items (a reasoning item among them) as the next
-    ``input``; ``previous_response_id`` continues the stored conversation. Both must put the
-    same reasoning before the call in the model's prompt."""
+async def test_a_tool_loop_replayed_by_items_keeps_the_models_reasoning(oai, stream):
+    """The Agents SDK replays the output items (the reasoning item among them) as the next
+    ``input``: the model's reasoning before its call is in the next prompt; without the item,
+    it is not."""
     first = await oai.responses.create(
         model=MODEL,
         input=ASK,
@@ -220,29 +226,28 @@ async def test_a_tool_loop_replayed_by_items_is_the_prompt_that_previous_respons
         async for event in first:
             if event.type == "response.completed":
                 first = event.response
-    # The tool-call path of the simulated engine does not reason: give the call a reasoning
-    # item of the model's, as a reasoning model's would be.
-    call = next(item for item in first.output if item.type == "function_call")
+    assert [item.type for item in first.output] == ["reasoning", "function_call"]
+    thought, call = first.output
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "healthy"}
-    reasoning = {
-        "type": "reasoning",
-        "id": "rs_1",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": "A status question: ask the tool."}],
-    }
-    with_thought = await oai.responses.create(
-        model=MODEL,
-        input=[{"role": "user", "content": ASK}, reasoning, call.model_dump(), result],
-        tools=[FUNCTION],
-        max_output_tokens=4,
-    )
-    without = await oai.responses.create(
-        model=MODEL,
-        input=[{"role": "user", "content": ASK}, call.model_dump(), result],
-        tools=[FUNCTION],
-        max_output_tokens=4,
-    )
-    assert with_thought.usage.input_tokens > without.usage.input_tokens
+
+    async def prompt_tokens(*replayed) -> int:
+        answer = await oai.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": ASK}, *replayed, result],
+            tools=[FUNCTION],
+            max_output_tokens=4,
+            store=False,
+        )
+        return answer.usage.input_tokens
+
+    item = thought.model_dump(exclude_none=True)
+    with_thought = await prompt_tokens(item, call.model_dump())
+    without = await prompt_tokens(call.model_dump())
+    assert with_thought - without >= len(thought.content[0].text.split())
+    # LangChain replays a streamed item as its ``output_item.added`` (no text yet) and the
+    # ``encrypted_content`` of its ``.done``: the same reasoning.
+    sealed_only = {**item, "content": [], "status": "in_progress"}
+    assert await prompt_tokens(sealed_only, call.model_dump()) == with_thought
 
 
 async def test_a_stored_answers_reasoning_is_part_of_the_follow_ups_prompt(oai):
@@ -297,3 +302,91 @@ async def test_the_fallback_is_sent_no_reasoning(gateway):
         "reasoning" not in m and "reasoning_content" not in m for m in sent[-1]["messages"]
     )
     assert sent[-1]["messages"][1]["content"] == "Sure."
+
+
+# -- agent libraries: the reasoning they send back is the model's ---------------------------
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[dict]:
+    """The chat bodies the dialects made of the requests, in order."""
+    bodies: list[dict] = []
+    for dialect in (MessagesDialect, ResponsesDialect):
+        translate = dialect.to_chat
+
+        async def recorded(self, body, ctx, translate=translate):
+            chat = await translate(self, body, ctx)
+            bodies.append(chat)
+            return chat
+
+        monkeypatch.setattr(dialect, "to_chat", recorded)
+    return bodies
+
+
+def assistant_reasoning(chat: dict) -> list[str | None]:
+    return [m.get("reasoning") for m in chat["messages"] if m["role"] == "assistant"]
+
+
+def get_service_status(service: str) -> str:
+    """The status of a service."""
+    return f"{service}: degraded"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_pydantic_ais_anthropic_agent_sends_its_thinking_back_as_thinking(
+    gateway, sent, stream
+):
+    """pydantic-ai sends a thinking block with an empty signature back as the user's text
+    (``<assistant_thinking>``): the model would read its own thoughts as the user's."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.anthropic import AnthropicModel, AnthropicModelSettings
+    from pydantic_ai.providers.anthropic import AnthropicProvider
+
+    client = anthropic_client(gateway)
+    model = AnthropicModel(MODEL, provider=AnthropicProvider(anthropic_client=client))
+    settings = AnthropicModelSettings(
+        anthropic_thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=64
+    )
+    agent = Agent(model, model_settings=settings, tools=[get_service_status])
+    if stream:
+        async with agent.run_stream(ASK) as run:
+            await run.get_output()
+            messages = run.all_messages()
+    else:
+        messages = (await agent.run(ASK)).all_messages()
+    called = [p.args_as_dict() for m in messages for p in m.parts if p.part_kind == "tool-call"]
+    assert called == [{"service": "checkout"}]
+    thought = next(p for m in messages for p in m.parts if p.part_kind == "thinking")
+    follow_up = sent[1]
+    assert assistant_reasoning(follow_up) == [thought.content]
+    users = [m["content"] for m in follow_up["messages"] if m["role"] == "user"]
+    assert not any("assistant_thinking" in str(content) for content in users)
+
+
+async def test_langchains_streamed_responses_agent_sends_its_reasoning_back(gateway, sent):
+    """LangChain keeps a streamed reasoning item as announced (no text yet) with the
+    ``encrypted_content`` it is done with, and with ``store: false`` sends back only items that
+    have one."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url="http://forge.test/v1",
+        api_key=test_server.KEY,
+        http_async_client=http(gateway),
+        use_responses_api=True,
+        streaming=True,
+        store=False,
+        max_retries=0,
+    ).bind_tools([FUNCTION], tool_choice=FUNCTION["name"])
+    ask = HumanMessage(ASK)
+    said = None
+    async for chunk in llm.astream([ask]):
+        said = chunk if said is None else said + chunk
+    (call,) = said.tool_calls
+    result = ToolMessage("healthy", tool_call_id=call["id"])
+    await llm.ainvoke([ask, said, result])
+    _, follow_up = sent
+    (reasoning,) = assistant_reasoning(follow_up)
+    assert reasoning and len(reasoning.split()) == THOUGHT
