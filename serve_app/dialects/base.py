@@ -170,6 +170,47 @@ def reasoning_of(message: dict) -> str:
     return ""
 
 
+def joined(parts: list[dict]) -> str | list[dict]:
+    """Chat content parts as a message's content: text only is one string, joined by a newline
+    as vLLM joins a message's text parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def joined_content(first: str | list[dict] | None, then: str | list[dict] | None):
+    """Two messages' contents as one message's (None if both have none)."""
+    parts = [p for c in (first, then) for p in _as_parts(c)]
+    return joined(parts) if parts else None
+
+
+def _as_parts(content: str | list[dict] | None) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return list(content or ())
+
+
+def system_first(messages: list[dict]) -> list[dict]:
+    """One system message, first: the system messages before any turn joined into it, and a
+    later one the user's, where it stands. Many templates refuse a system message past the
+    first (Qwen3.5's "System message must be at the beginning", Mistral's, Gemma's)."""
+    out: list[dict] = []
+    for message in messages:
+        if message["role"] == "system":
+            if all(m["role"] == "system" for m in out):
+                if out:
+                    out[0] = {
+                        **out[0],
+                        "content": joined_content(out[0]["content"], message["content"]),
+                    }
+                else:
+                    out.append(message)
+                continue
+            message = {**message, "role": "user"}
+        out.append(message)
+    return out
+
+
 def thinking_switch(on: bool) -> dict:
     """The ``chat_template_kwargs`` that turn a reasoning model's thinking on or off, under
     both names templates read: ``enable_thinking`` (Qwen3's, GLM's) and ``thinking``

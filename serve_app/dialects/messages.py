@@ -47,6 +47,8 @@ from serve_app.dialects.base import (
     arguments_object,
     chat_frames,
     chat_message,
+    joined,
+    joined_content,
     named_event,
     reasoning_of,
     required_string,
@@ -392,11 +394,17 @@ async def count_tokens(ctx: RequestContext) -> Response:
 
 def chat_messages(message: dict, param: str) -> list[dict]:
     role = message.get("role")
-    if role not in ("user", "assistant"):
+    if role not in ("user", "assistant", "system"):
         raise errors.invalid_request(
-            f"Invalid value for '{param}.role': expected user or assistant.",
+            f"Invalid value for '{param}.role': expected user, assistant or system.",
             param=f"{param}.role",
         )
+    if role == "system":
+        # A mid-conversation system message (Claude Code sends them since 2.1.154): the user's
+        # turn here, where it stands. Many templates refuse a system message past the first
+        # (Qwen3.5's "System message must be at the beginning", Mistral's, Gemma's), and one
+        # folded into the first would change the prompt's start, and so its cached prefix.
+        role = "user"
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -451,7 +459,7 @@ def chat_messages(message: dict, param: str) -> list[dict]:
             )
     out = list(results)
     if role == "assistant":
-        turn: dict = {"role": "assistant", "content": _joined(parts) if parts else None}
+        turn: dict = {"role": "assistant", "content": joined(parts) if parts else None}
         if calls:
             turn["tool_calls"] = calls
         if thoughts:
@@ -460,7 +468,7 @@ def chat_messages(message: dict, param: str) -> list[dict]:
             turn["reasoning"] = "\n".join(thoughts)
         out.append(turn)
     elif parts:
-        out.append({"role": "user", "content": _joined(parts)})
+        out.append({"role": "user", "content": joined(parts)})
     return out
 
 
@@ -473,24 +481,11 @@ def _append_turn(messages: list[dict], turn: dict) -> None:
     if last is None or last["role"] != role or role not in ("user", "assistant"):
         messages.append(turn)
         return
-    parts = _as_parts(last.get("content")) + _as_parts(turn.get("content"))
-    last["content"] = _joined(parts) if parts else None
+    last["content"] = joined_content(last.get("content"), turn.get("content"))
     if turn.get("tool_calls"):
         last["tool_calls"] = [*last.get("tool_calls", ()), *turn["tool_calls"]]
     if turn.get("reasoning"):
         last["reasoning"] = "\n".join(r for r in (last.get("reasoning"), turn["reasoning"]) if r)
-
-
-def _as_parts(content: str | list[dict] | None) -> list[dict]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    return list(content or ())
-
-
-def _joined(parts: list[dict]) -> str | list[dict]:
-    if all(p["type"] == "text" for p in parts):
-        return "\n".join(p["text"] for p in parts)
-    return parts
 
 
 def _not_blocks(where: str) -> errors.ForgeError:

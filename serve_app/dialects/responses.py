@@ -2,8 +2,9 @@
 
 In: ``instructions`` become the system message; ``input`` (text, or items: messages,
 ``function_call``, ``function_call_output``) the messages after the conversation that
-``previous_response_id`` names (a ``developer`` message as a system message, as a chat
-model's template knows it; a function output's images, which a chat tool message cannot hold,
+``previous_response_id`` names (``developer`` and system messages before any turn joined to
+the instructions in one system message, as every chat template takes it, and a later one the
+user's, where it stands; a function output's images, which a chat tool message cannot hold,
 as a user message after the tool messages); function tools, ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (``json_schema``, ``json_object``),
 ``max_output_tokens``, ``temperature``, ``top_p`` and ``user`` their chat equivalents;
@@ -43,6 +44,7 @@ from serve_app.dialects.base import (
     reasoning_of,
     required_string,
     rewrite,
+    system_first,
     thinking_switch,
 )
 from serve_app.dialects.stored import StoredResponses
@@ -164,7 +166,7 @@ class ResponsesDialect:
         history += input_messages(req.input)
         ctx.turn = Turn("resp_" + uuid.uuid4().hex, req, body, history, ctx.tenant_name)
         messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        chat: dict[str, Any] = {"model": req.model, "messages": messages + history}
+        chat: dict[str, Any] = {"model": req.model, "messages": system_first(messages + history)}
         if req.stream:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}
@@ -637,7 +639,8 @@ def _message(item: dict, param: str) -> dict:
             param=f"{param}.role",
         )
     # OpenAI's developer messages are system messages on a chat model's template: a template
-    # that knows no developer role (Qwen2.5's, Llama's) would leave them out of the prompt.
+    # that knows no developer role (Qwen2.5's, Llama's) would leave them out of the prompt
+    # (``system_first`` then keeps them where every template takes them).
     role = "system" if role == "developer" else role
     content = item.get("content")
     if isinstance(content, str):

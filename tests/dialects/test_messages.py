@@ -251,7 +251,7 @@ async def test_a_bearer_key_works_as_well_as_x_api_key(gateway: Gateway):
             "invalid_request_error",
         ),
         (
-            {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]},
+            {"model": MODEL, "max_tokens": 2, "messages": [{"role": "tool", "content": "x"}]},
             400,
             "invalid_request_error",
         ),

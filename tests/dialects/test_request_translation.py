@@ -120,3 +120,52 @@ async def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_
     ]
     assert said["content"] == "Looking." and [c["id"] for c in said["tool_calls"]] == ["call_1"]
     assert last["content"] == "and?"
+
+
+async def test_a_mid_conversation_system_message_is_the_users_turn_where_it_stands():
+    """Claude Code (2.1.154 on) sends system messages inside ``messages``. Many templates
+    refuse a system message past the first (Qwen3.5's, Mistral's, Gemma's), and folding it
+    into the first would change the prompt's start, which vLLM's prefix cache keys on."""
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "system": "You are a CLI.",
+        "messages": [
+            {"role": "user", "content": "look at main.py"},
+            {"role": "system", "content": [{"type": "text", "text": "Skills: review"}]},
+            {"role": "assistant", "content": "Looking."},
+            {"role": "user", "content": "and?"},
+            {"role": "system", "content": "Be brief."},
+        ],
+    }
+    chat = await MessagesDialect().to_chat(body, ctx())
+    assert chat["messages"] == [
+        {"role": "system", "content": "You are a CLI."},
+        {"role": "user", "content": "look at main.py\nSkills: review"},
+        {"role": "assistant", "content": "Looking."},
+        {"role": "user", "content": "and?\nBe brief."},
+    ]
+
+
+async def test_instructions_and_leading_developer_messages_are_one_system_message():
+    """Codex sends ``instructions`` and developer messages; a template that takes one system
+    message, first, refuses the rest. A later one is the user's, where it stands."""
+    body = {
+        "model": "m",
+        "instructions": "You are Codex.",
+        "input": [
+            {"role": "developer", "content": "Sandbox: read-only."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "developer", "content": "Approval: never."},
+            {"role": "user", "content": "Go"},
+        ],
+    }
+    chat = await ResponsesDialect(None).to_chat(body, ctx("responses"))
+    assert chat["messages"] == [
+        {"role": "system", "content": "You are Codex.\nSandbox: read-only."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Approval: never."},
+        {"role": "user", "content": "Go"},
+    ]
