@@ -137,17 +137,25 @@ class SimulatedEngine(Engine):
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         max_tokens = max_tokens or self.default_max_tokens
         limit = self.config.max_model_len
-        if len(ids) + max_tokens > limit:
-            # vLLM's wording, so clients that parse it keep working.
+        # vLLM's checks, in its words, so clients that parse them keep working: a prompt the
+        # context cannot hold, or a max_tokens it never could, is refused; a max_tokens past
+        # what the context has left after the prompt is cut to it.
+        if len(ids) >= limit:
             raise errors.invalid_request(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
-                f"{max_tokens} in the completion). Please reduce the length of the messages "
-                "or completion.",
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {len(ids)} input tokens, which exceeds this limit even without any "
+                "output tokens. Please reduce the length of the input prompt.",
                 param=field,
                 code="context_length_exceeded",
             )
-        return ids, max_tokens
+        if max_tokens > limit:
+            raise errors.invalid_request(
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. "
+                "Please request fewer output tokens.",
+                param="max_tokens",
+                code="invalid_value",  # what Forge makes of vLLM's (``vllm_engine.py``)
+            )
+        return ids, min(max_tokens, limit - len(ids))
 
     def _generate_calls(self, body: dict, request_id: str, calls: list[ToolCall]):
         """The tool calls' arguments as the model's tokens: one generated token per piece, cut

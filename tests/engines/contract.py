@@ -311,6 +311,25 @@ class EngineContract:
         assert (caught.value.status, caught.value.code) == (400, "context_length_exceeded")
         await self.settled(spec, idle(engine), "nothing running after a rejected request")
 
+    async def test_max_tokens_past_what_the_context_has_left_is_cut_to_it(self, engine, spec):
+        """vLLM caps a request's ``max_tokens`` at what the context has left after its prompt:
+        an agent that asks for a long answer (Claude Code asks for 32,000 tokens) on a smaller
+        model is answered to the context's end, not refused."""
+        body = request_body(spec, "chat", stream=True, max_tokens=spec.max_model_len)
+        left = spec.max_model_len - spec.count_prompt_tokens(body, "chat")
+        frames, usage = await collect(engine, body, "chat", "req-past-the-context")
+        assert usage.completion_tokens == left
+        assert frames[-1]["choices"] == [] or frames[-1]["choices"][0]["finish_reason"]
+        finishes = [c["finish_reason"] for f in frames for c in f["choices"] if c["finish_reason"]]
+        assert finishes == ["length"]
+
+    async def test_max_tokens_past_the_whole_context_is_a_400_naming_it(self, engine, spec):
+        body = request_body(spec, "chat", stream=False, max_tokens=spec.max_model_len + 1)
+        with pytest.raises(ForgeError) as caught:
+            await engine.complete(body, "chat", "req-past-the-window")
+        assert caught.value.status == 400 and "max_tokens" in caught.value.message
+        await self.settled(spec, idle(engine), "nothing running after a rejected request")
+
     @pytest.mark.parametrize("streamed", [True, False], ids=["stream", "complete"])
     async def test_a_malformed_request_is_a_400_naming_the_field(self, engine, spec, streamed):
         body = {"model": spec.model, "messages": "not a list", "stream": streamed}

@@ -166,13 +166,6 @@ async def test_prompt_over_max_model_len_is_400(make_engine):
     assert info.value.code == "context_length_exceeded"
 
 
-async def test_prompt_plus_max_tokens_over_max_model_len_is_400(make_engine):
-    engine = make_engine(max_model_len=32)
-    with pytest.raises(ForgeError) as info:
-        await collect(engine, {**CHAT, "max_tokens": 30})
-    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
-
-
 async def test_request_larger_than_kv_cache_is_400(make_engine):
     engine = make_engine(num_kv_blocks=2, block_size=16)  # 32 tokens of cache, 8192 of context
     with pytest.raises(ForgeError) as info:
