@@ -78,6 +78,8 @@ class ParseStage:
         if task is None or self.policy is None:
             return await call_next(ctx)
         target = self.policy.resolve(model, ctx.tenant_name, ctx.body, ctx.request.headers)
+        if ctx.dialect == "messages":
+            _fit_output(ctx, [self.policy.windows.get(s.backend) for s in target.steps if s.model])
         if target.variant is None:  # a pool's own name: where it always went
             ctx.target = self._with_adapter(ctx, target)
             return await call_next(ctx)
@@ -128,6 +130,25 @@ class ParseStage:
                 raise errors.payload_too_large(limit)
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _fit_output(ctx: RequestContext, windows: list[int | None]) -> None:
+    """An Anthropic client's ``max_tokens`` cut to what the largest of its pools' context
+    windows leaves after the prompt. Anthropic's clients size it for Claude (Claude Code asks
+    for 32,000 tokens and more), which a self-hosted model's window may not hold: vLLM refuses
+    a ``max_tokens`` past its whole window, and the quota stage would reserve it. Past what the
+    prompt leaves, vLLM cuts it itself; this only keeps it inside the window. Left as it is
+    where a pool's window is not in its config."""
+    limit = ctx.parsed.output_limit()
+    if not windows or None in windows or limit is None:
+        return
+    if ctx.prompt_estimate is None:
+        ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
+    room = max(max(windows) - ctx.prompt_estimate, 1)
+    if limit > room:
+        ctx.body["max_tokens"] = ctx.parsed.max_tokens = room
+        ctx.body.pop("max_completion_tokens", None)
+        ctx.parsed.max_completion_tokens = None
 
 
 def _client_timeout(ctx: RequestContext) -> float | None:

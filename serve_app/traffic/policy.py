@@ -73,6 +73,8 @@ class TrafficPolicy:
     def __init__(self, config: ForgeConfig, watch: TrafficWatch | None = None) -> None:
         """``watch``: whose ``aborted`` (model, variant) pairs weigh 0 (``watch.py``)."""
         pools = {p.name: p for p in config.pools}
+        # Each pool's context window, where its config says it (None: the model's own).
+        self.windows = {p.name: p.context_limit() for p in config.pools}
         fallback = config.fallback is not None
         self.routes: dict[str, tuple[Step, ...]] = {}
         for pool in config.pools:
