@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 import orjson
@@ -227,23 +227,34 @@ def _cumulative(entry: _Entry, aborted: Collection[tuple[str, str]]) -> list[tup
 def place(target: Target, prompt_tokens: int, max_tokens: int | None) -> Target:
     """The step a request of this length starts on: the first whose context window takes
     prompt and completion (past the first, only a step taken on ``context_length``); steps too
-    small are left out of its retries too. A 400 when no step takes it."""
+    small are left out of its retries too. Where no step takes both, the first that takes the
+    prompt, whose engine cuts the answer to what its window leaves (as vLLM does). A 400 when
+    no step takes the prompt."""
     if all(step.context is None for step in target.steps):
         return target
-    excluded, start, largest, needed = set(), None, 0, 0
-    for i, step in enumerate(target.steps):
-        needed = prompt_tokens + (max_tokens or step.default_max_tokens)
-        if step.context is not None and needed > step.context:
-            excluded.add(step.backend)
-            largest = max(largest, step.context)
-            continue
-        if start is None and (i == 0 or "context_length" in step.on):
-            start = i
-    if start is None:
+    placed = _placed(target, lambda step: prompt_tokens + (max_tokens or step.default_max_tokens))
+    if placed is None:
+        placed = _placed(target, lambda step: prompt_tokens + 1)
+    if placed is None:
+        needed = prompt_tokens + (max_tokens or target.steps[0].default_max_tokens)
+        largest = max(step.context or 0 for step in target.steps)
         raise errors.context_length_exceeded(target.model, needed, largest)
+    start, excluded = placed
     if start == target.start and not excluded:
         return target
     return replace(target, start=start, excluded=frozenset(excluded))
+
+
+def _placed(target: Target, needs: Callable[[Step], int]) -> tuple[int, set[str]] | None:
+    """The first step whose window takes what ``needs`` says, and the steps too small."""
+    excluded, start = set(), None
+    for i, step in enumerate(target.steps):
+        if step.context is not None and needs(step) > step.context:
+            excluded.add(step.backend)
+            continue
+        if start is None and (i == 0 or "context_length" in step.on):
+            start = i
+    return None if start is None else (start, excluded)
 
 
 def _step(pool: PoolConfig, on: frozenset[str]) -> Step:

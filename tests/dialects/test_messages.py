@@ -56,9 +56,7 @@ async def test_a_streams_message_start_counts_the_prompt_for_a_tenant_without_bu
 async def test_claude_codes_max_tokens_past_the_models_window_is_served(claude):
     """Claude Code asks for 32,000 tokens and more, sized for Claude; the pool's model has an
     8,192-token window (vLLM refuses a max_tokens past it). The answer comes, within it."""
-    async with claude.messages.stream(
-        model=MODEL, max_tokens=32_000, messages=ASKED
-    ) as stream:
+    async with claude.messages.stream(model=MODEL, max_tokens=32_000, messages=ASKED) as stream:
         message = await stream.get_final_message()
     assert message.content[0].text and message.stop_reason in ("end_turn", "max_tokens")
 

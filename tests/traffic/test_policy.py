@@ -143,6 +143,17 @@ def test_a_prompt_too_long_for_the_pool_starts_on_the_chain_step_that_takes_it()
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
 
 
+def test_a_prompt_that_fits_with_an_answer_that_does_not_is_placed_to_be_cut():
+    """vLLM answers a max_tokens past what the prompt leaves of its window, to the window's
+    end: a pool that takes the prompt serves it where no step takes both."""
+    strict = {"name": "chat", "variants": [{"name": "main", "pool": "primary"}], "chain": []}
+    target = policy(strict).resolve("chat", "alpha", {}, {})
+    window = target.steps[0].context
+    assert place(target, window - 10, 100) is target
+    with pytest.raises(errors.ForgeError):
+        place(target, window, 100)  # the prompt alone fills it
+
+
 @pytest.mark.parametrize(
     ("entry", "path"),
     [
