@@ -222,7 +222,8 @@ class ResponsesDialect:
         output = ([reasoning_item(reasoning, "completed")] if reasoning else []) + (
             [message_item(text, "completed")] if text else []
         )
-        output += [function_call_item(c, "completed") for c in calls]
+        namespaces = tool_namespaces(turn.request.tools)
+        output += [function_call_item(c, "completed", namespaces) for c in calls]
         incomplete = "max_output_tokens" if finish == "length" else None
         obj = turn.response(
             "incomplete" if incomplete else "completed",
@@ -308,7 +309,8 @@ class ResponsesDialect:
                             for event in _text_done(events, message_index, message, message_text):
                                 yield event
                             message = None
-                        item = function_call_item(call, "in_progress")
+                        namespaces = tool_namespaces(turn.request.tools)
+                        item = function_call_item(call, "in_progress", namespaces)
                         item["arguments"] = ""
                         items[id(call)] = (len(output), item)
                         output.append(item)
@@ -481,16 +483,23 @@ def message_item(text: str, status: str) -> dict:
     }
 
 
-def function_call_item(call: dict, status: str) -> dict:
+def function_call_item(call: dict, status: str, namespaces: dict[str, str] | None = None) -> dict:
+    """A chat tool call as a ``function_call`` item; a namespaced function's with its
+    ``namespace``, which the client routes the call by."""
     function = call.get("function") or {}
-    return {
+    name = function.get("name", "")
+    item = {
         "id": "fc_" + uuid.uuid4().hex,
         "type": "function_call",
         "status": status,
         "call_id": call["id"],  # given by the backend, or by this gateway once
-        "name": function.get("name", ""),
+        "name": name,
         "arguments": function.get("arguments", ""),
     }
+    namespace = (namespaces or {}).get(name)
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 # The codes a ``response.failed`` error may carry (the SDK's ``ResponseError.code``); others
@@ -681,35 +690,62 @@ def _parts(content: list, param: str, text_kinds: tuple[str, ...]) -> list[dict]
 
 
 def chat_tools(tools: list[dict]) -> list[dict]:
+    """Function tools as chat's; a namespace's functions as function tools of their own names
+    (their calls say the namespace again: ``tool_namespaces``)."""
     out = []
     for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind != "function":
-            raise _unsupported(
-                f"Tools of type '{kind}' are not supported by this gateway: built-in tools run "
-                "on OpenAI's servers; declare a function tool and run it in your agent.",
-                f"tools.{i}.type",
-                code="unsupported_tool",
-            )
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise errors.invalid_request(
-                f"Missing required parameter: 'tools.{i}.name'.",
-                param=f"tools.{i}.name",
-                code="missing_required_parameter",
-            )
-        function = {
-            k: tool[k]
-            for k in ("name", "description", "parameters", "strict")
-            if tool.get(k) is not None
-        }
-        if not isinstance(function.get("parameters", {}), dict):
-            raise errors.invalid_request(
-                f"Invalid value for 'tools.{i}.parameters': expected a JSON schema object.",
-                param=f"tools.{i}.parameters",
-            )
-        out.append({"type": "function", "function": function})
+        if tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+            out += [_chat_function(t, f"tools.{i}.tools.{j}") for j, t in enumerate(tool["tools"])]
+        else:
+            out.append(_chat_function(tool, f"tools.{i}"))
+    names = [t["function"]["name"] for t in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise errors.invalid_request(
+            f"Tool names must be unique across namespaces here: {', '.join(twice)}.",
+            param="tools",
+        )
     return out
+
+
+def tool_namespaces(tools: list[dict] | None) -> dict[str, str]:
+    """The namespace of each namespaced function, by the function's name."""
+    return {
+        inner.get("name"): tool.get("name")
+        for tool in tools or ()
+        if tool.get("type") == "namespace" and isinstance(tool.get("tools"), list)
+        for inner in tool["tools"]
+        if isinstance(inner, dict)
+    }
+
+
+def _chat_function(tool: dict, where: str) -> dict:
+    kind = tool.get("type")
+    if kind != "function":
+        raise _unsupported(
+            f"Tools of type '{kind}' are not supported by this gateway: built-in tools run "
+            "on OpenAI's servers; declare a function tool and run it in your agent.",
+            f"{where}.type",
+            code="unsupported_tool",
+        )
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise errors.invalid_request(
+            f"Missing required parameter: '{where}.name'.",
+            param=f"{where}.name",
+            code="missing_required_parameter",
+        )
+    function = {
+        k: tool[k]
+        for k in ("name", "description", "parameters", "strict")
+        if tool.get(k) is not None
+    }
+    if not isinstance(function.get("parameters", {}), dict):
+        raise errors.invalid_request(
+            f"Invalid value for '{where}.parameters': expected a JSON schema object.",
+            param=f"{where}.parameters",
+        )
+    return {"type": "function", "function": function}
 
 
 def chat_tool_choice(choice: str | dict) -> str | dict:

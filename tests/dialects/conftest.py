@@ -26,9 +26,14 @@ STATUS_SCHEMA = {
 ASK = "What is the service status of checkout?"
 
 
-def openai_client(gateway: Gateway, key: str = KEY) -> openai.AsyncOpenAI:
+def openai_client(gateway: Gateway, key: str = KEY, *, strict: bool = False) -> openai.AsyncOpenAI:
+    """``strict``: the SDK holds every answer to its own types (``_strict_response_validation``)."""
     return openai.AsyncOpenAI(
-        base_url="http://forge.test/v1", api_key=key, http_client=http(gateway), max_retries=0
+        base_url="http://forge.test/v1",
+        api_key=key,
+        http_client=http(gateway),
+        max_retries=0,
+        _strict_response_validation=strict,
     )
 
 

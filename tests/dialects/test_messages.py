@@ -3,6 +3,7 @@ trip, token counting, the key in ``x-api-key``, and every error in Anthropic's s
 
 from __future__ import annotations
 
+import json
 import time
 
 import anthropic
@@ -51,6 +52,58 @@ async def test_a_streams_message_start_counts_the_prompt_for_a_tenant_without_bu
     (start,) = started
     assert start.input_tokens > 0
     assert start.input_tokens == final.input_tokens + final.cache_read_input_tokens
+
+
+async def test_claude_codes_request_as_it_sends_it_is_served(gateway: Gateway):
+    """The shape of Claude Code 2.1.332's requests, as captured from it by a recording server
+    (the texts here are stand-ins): a system message after the user's (a 400 before), 32,000
+    max_tokens (past the model's window), adaptive thinking with its display omitted, context
+    management and effort, its billing header line, cache_control, beta headers."""
+    block = {"type": "text", "text": "Skills: none", "cache_control": {"type": "ephemeral"}}
+    body = {
+        "model": MODEL,
+        "max_tokens": 32_000,
+        "stream": True,
+        "metadata": {"user_id": json.dumps({"device_id": "d1", "session_id": "s1"})},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332; cch=1f;"},
+            {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>today</system-reminder>"},
+                    {"type": "text", "text": "Say hello"},
+                ],
+            },
+            {"role": "system", "content": [block]},
+        ],
+        "tools": [
+            {
+                "name": "Bash",
+                "description": "Run a shell command.",
+                "input_schema": {
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                },
+            }
+        ],
+    }
+    headers = {
+        "x-api-key": KEY,
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+        "context-management-2025-06-27,effort-2025-11-24",
+    }
+    async with http(gateway) as client:
+        answer = await client.post("/v1/messages?beta=true", json=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.text.rstrip().endswith('data: {"type":"message_stop"}')
 
 
 async def test_claude_codes_max_tokens_past_the_models_window_is_served(claude):

@@ -179,8 +179,7 @@ async def test_a_tool_loops_thinking_sent_back_reaches_the_template_and_an_old_o
 
 async def test_a_response_has_a_reasoning_item_before_its_message(gateway, oai):
     reasoning, text, _ = await chat_answer(oai)
-    strict = openai_client(gateway)
-    strict._strict_response_validation = True
+    strict = openai_client(gateway, strict=True)
     async with strict:
         response = await strict.responses.create(model=MODEL, input=ASKED, max_output_tokens=40)
         assert [item.type for item in response.output] == ["reasoning", "message"]

@@ -122,13 +122,7 @@ async def test_what_clients_send_as_they_are_typed_is_served(oai):
 async def test_a_strictly_validating_client_accepts_every_answer(gateway: Gateway):
     """The SDK's own types, held strictly (``_strict_response_validation``): every field it
     requires is there, plain and as a stream's final response."""
-    strict = openai.AsyncOpenAI(
-        base_url="http://forge.test/v1",
-        api_key=KEY,
-        http_client=http(gateway),
-        max_retries=0,
-        _strict_response_validation=True,
-    )
+    strict = openai_client(gateway, strict=True)
     async with strict:
         plain = await strict.responses.create(model=MODEL, input=ASK, tools=[TOOL])
         async with strict.responses.stream(model=MODEL, input="Hi") as s:
@@ -175,6 +169,35 @@ async def test_parallel_calls_and_a_named_tool_choice(oai):
     assert [c.name for c in named.output] == ["open_ticket"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_namespaced_functions_call_names_its_namespace(gateway: Gateway, stream):
+    """Codex (0.171) declares its sub-agent tools in a namespace; the client routes a call by
+    its ``namespace``. Held to the SDK's types strictly."""
+    namespace = {
+        "type": "namespace",
+        "name": "ops",
+        "description": "Operations tools.",
+        "tools": [TOOL],
+    }
+    strict = openai_client(gateway, strict=True)
+    choice = {"type": "function", "name": TOOL["name"]}
+    async with strict:
+        if stream:
+            async with strict.responses.stream(
+                model=MODEL, input=ASK, tools=[namespace], tool_choice=choice
+            ) as events:
+                added = [e.item async for e in events if e.type == "response.output_item.added"]
+                answer = await events.get_final_response()
+            assert [item.namespace for item in added] == ["ops"]
+        else:
+            answer = await strict.responses.create(
+                model=MODEL, input=ASK, tools=[namespace], tool_choice=choice
+            )
+    (call,) = answer.output
+    assert (call.type, call.name, call.namespace) == ("function_call", TOOL["name"], "ops")
+    assert json.loads(call.arguments) == {"service": "checkout"}
+
+
 async def test_parse_validates_structured_output_against_the_model(oai):
     class Status(BaseModel):
         service: str
@@ -214,6 +237,11 @@ async def test_stored_responses_belong_to_their_tenant_and_can_be_deleted(gatewa
         ({"max_output_tokens": "16"}, "max_output_tokens"),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+        (
+            {"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}]},
+            "tools.0.tools.0.type",
+        ),
+        ({"tools": [TOOL, {"type": "namespace", "name": "n", "tools": [TOOL]}]}, "tools"),
     ],
 )
 async def test_what_cannot_be_served_is_a_400_naming_the_field(gateway: Gateway, extra, param):
