@@ -192,21 +192,27 @@ def _as_parts(content: str | list[dict] | None) -> list[dict]:
 
 def system_first(messages: list[dict]) -> list[dict]:
     """One system message, first: the system messages before any turn joined into it, and a
-    later one the user's, where it stands. Many templates refuse a system message past the
-    first (Qwen3.5's "System message must be at the beginning", Mistral's, Gemma's)."""
+    later one the user's, where it stands; the user's consecutive messages one. Many templates
+    refuse a system message past the first (Qwen3.5's "System message must be at the
+    beginning", Mistral's, Gemma's), and some roles that do not alternate (Gemma's, Mistral's).
+    """
     out: list[dict] = []
     for message in messages:
-        if message["role"] == "system":
-            if all(m["role"] == "system" for m in out):
-                if out:
-                    out[0] = {
-                        **out[0],
-                        "content": joined_content(out[0]["content"], message["content"]),
-                    }
-                else:
-                    out.append(message)
-                continue
+        role = message["role"]
+        if role == "system" and all(m["role"] == "system" for m in out):
+            if out:
+                out[0] = {
+                    **out[0],
+                    "content": joined_content(out[0]["content"], message["content"]),
+                }
+            else:
+                out.append(message)
+            continue
+        if role == "system":
             message = {**message, "role": "user"}
+        if message["role"] == "user" and out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": joined_content(out[-1]["content"], message["content"])}
+            continue
         out.append(message)
     return out
 

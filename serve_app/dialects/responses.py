@@ -554,8 +554,13 @@ def input_messages(value: str | list[dict]) -> list[dict]:
             images = []
         if kind != "reasoning" and thoughts:
             if kind == "function_call" or (kind == "message" and item.get("role") == "assistant"):
-                messages.append({"role": "assistant", "content": None})
-                messages[-1]["reasoning"] = "\n".join(thoughts)
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "reasoning" not in last:
+                    # Its text before the reasoning (an order replays can have): one turn still.
+                    last["reasoning"] = "\n".join(thoughts)
+                else:
+                    messages.append({"role": "assistant", "content": None})
+                    messages[-1]["reasoning"] = "\n".join(thoughts)
             thoughts = []  # reasoning followed by no answer of its own is not the model's turn
         if kind == "message":
             _append_message(messages, _message(item, param))
@@ -631,7 +636,7 @@ def _reasoning_texts(item: dict) -> list[str]:
         parts = item.get(field_name)
         texts = [
             p["text"]
-            for p in parts or ()
+            for p in (parts if isinstance(parts, list) else ())
             if isinstance(p, dict) and p.get("type") == kind and isinstance(p.get("text"), str)
         ]
         if any(texts):
@@ -719,7 +724,11 @@ def tool_namespaces(tools: list[dict] | None) -> dict[str, str]:
     }
 
 
-def _chat_function(tool: dict, where: str) -> dict:
+def _chat_function(tool: object, where: str) -> dict:
+    if not isinstance(tool, dict):
+        raise errors.invalid_request(
+            f"Invalid value for '{where}': expected a tool object.", param=where
+        )
     kind = tool.get("type")
     if kind != "function":
         raise _unsupported(

@@ -133,18 +133,17 @@ class ParseStage:
 
 
 def _fit_output(ctx: RequestContext, windows: list[int | None]) -> None:
-    """An Anthropic client's ``max_tokens`` cut to what the largest of its pools' context
-    windows leaves after the prompt. Anthropic's clients size it for Claude (Claude Code asks
-    for 32,000 tokens and more), which a self-hosted model's window may not hold: vLLM refuses
-    a ``max_tokens`` past its whole window, and the quota stage would reserve it. Past what the
-    prompt leaves, vLLM cuts it itself; this only keeps it inside the window. Left as it is
+    """An Anthropic client's ``max_tokens`` cut to the smallest context window of the pools
+    the request may land on. Anthropic's clients size it for Claude (Claude Code asks for
+    32,000 tokens and more), which a self-hosted model's window may not hold: vLLM refuses a
+    ``max_tokens`` past its whole window, and the quota stage would reserve it. Past what the
+    prompt leaves of the window, vLLM cuts it itself, with the model's own count of the
+    prompt (the gateway's is an estimate: cutting by it could leave too little). Left as it is
     where a pool's window is not in its config."""
     limit = ctx.parsed.output_limit()
     if not windows or None in windows or limit is None:
         return
-    if ctx.prompt_estimate is None:
-        ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
-    room = max(max(windows) - ctx.prompt_estimate, 1)
+    room = min(w for w in windows if w is not None)
     if limit > room:
         ctx.body["max_tokens"] = ctx.parsed.max_tokens = room
         ctx.body.pop("max_completion_tokens", None)

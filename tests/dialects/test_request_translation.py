@@ -148,8 +148,10 @@ async def test_a_mid_conversation_system_message_is_the_users_turn_where_it_stan
 
 
 async def test_instructions_and_leading_developer_messages_are_one_system_message():
-    """Codex sends ``instructions`` and developer messages; a template that takes one system
-    message, first, refuses the rest. A later one is the user's, where it stands."""
+    """Codex sends developer messages before and during the conversation; a template that
+    takes one system message, first, refuses the rest. A later one is the user's, where it
+    stands, one message with the user's next to it (Gemma's and Mistral's templates insist
+    that roles alternate)."""
     body = {
         "model": "m",
         "instructions": "You are Codex.",
@@ -166,6 +168,45 @@ async def test_instructions_and_leading_developer_messages_are_one_system_messag
         {"role": "system", "content": "You are Codex.\nSandbox: read-only."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Approval: never."},
-        {"role": "user", "content": "Go"},
+        {"role": "user", "content": "Approval: never.\nGo"},
     ]
+
+
+async def test_reasoning_replayed_after_the_assistants_text_stays_in_its_turn():
+    """Replays may put an assistant's text before its reasoning item: still one assistant
+    message (two in a row would break a template whose roles alternate)."""
+    thought = {
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Check."}],
+    }
+    call = {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"}
+    body = {
+        "model": "m",
+        "input": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "I'll check."},
+            thought,
+            call,
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+    }
+    chat = await ResponsesDialect(None).to_chat(body, ctx("responses"))
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "tool"]
+    said = chat["messages"][1]
+    assert (said["content"], said["reasoning"]) == ("I'll check.", "Check.")
+    assert [c["id"] for c in said["tool_calls"]] == ["c1"]
+
+
+async def test_a_reasoning_item_of_another_shape_is_read_as_no_reasoning():
+    """Not a 500: a reasoning item whose content is not a list of parts says nothing."""
+    body = {
+        "model": "m",
+        "input": [
+            {"role": "user", "content": "Hi"},
+            {"type": "reasoning", "content": 5, "summary": "x", "encrypted_content": "opaque"},
+            {"role": "assistant", "content": "Hello."},
+        ],
+    }
+    chat = await ResponsesDialect(None).to_chat(body, ctx("responses"))
+    assert chat["messages"][-1] == {"role": "assistant", "content": "Hello."}

@@ -242,6 +242,7 @@ async def test_stored_responses_belong_to_their_tenant_and_can_be_deleted(gatewa
             "tools.0.tools.0.type",
         ),
         ({"tools": [TOOL, {"type": "namespace", "name": "n", "tools": [TOOL]}]}, "tools"),
+        ({"tools": [{"type": "namespace", "name": "n", "tools": ["x"]}]}, "tools.0.tools.0"),
     ],
 )
 async def test_what_cannot_be_served_is_a_400_naming_the_field(gateway: Gateway, extra, param):
