@@ -78,7 +78,9 @@ def test_check_passes_a_run_that_held_and_fails_each_broken_expectation():
 def test_a_context_window_past_the_pool_applications_max_model_len_is_refused():
     config = traffic_policy.serve_config()
     (gateway,) = [a for a in config["applications"] if a["name"] == "forge"]
+    (pool_app,) = [a for a in config["applications"] if a["name"] == "forge-pool-primary"]
+    engine_len = pool_app["args"]["pool"]["engine"]["max_model_len"]
     primary = next(p for p in gateway["args"]["pools"] if p["name"] == "primary")
-    primary["context_window"] = 9000  # its application's engine takes 8192
-    with pytest.raises(ConfigError, match=r"pools.0.context_window: 9000 is more than"):
+    primary["context_window"] = engine_len + 1
+    with pytest.raises(ConfigError, match=rf"pools.0.context_window: {engine_len + 1} is more"):
         serve_config_forge(config)
