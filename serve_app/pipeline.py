@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from serve_app import errors, hop_delays
 from serve_app.config.models import TenantConfig
 from serve_app.engines.base import Kind
+from serve_app.protocol import count_prompt_tokens
 
 if TYPE_CHECKING:
     from serve_app.stages.cache_rules import StreamedAnswer
@@ -111,6 +112,13 @@ class RequestContext:
         if target is not None and target.pool_model is not None:
             return target.pool_model
         return self.model_name
+
+    def counted_prompt(self) -> int:
+        """The gateway's count of the prompt, made once: quota, metering and a dialect's first
+        event share it."""
+        if self.prompt_estimate is None:
+            self.prompt_estimate = count_prompt_tokens(self.body, self.route)
+        return self.prompt_estimate
 
     def own_timeout(self, err: Exception) -> Exception:
         """A backend timeout that fired because the *client's* deadline ran out is the client's

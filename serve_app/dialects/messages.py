@@ -238,7 +238,7 @@ class MessagesDialect:
             "stop_sequence": None,
             # What the gateway counts (its budgets' count, where the tenant has one); the
             # engine's own count comes with message_delta.
-            "usage": {**anthropic_usage(None), "input_tokens": _prompt_estimate(ctx)},
+            "usage": {**anthropic_usage(None), "input_tokens": ctx.counted_prompt()},
         }
         yield named_event("message_start", {"type": "message_start", "message": start})
         yield named_event("ping", {"type": "ping"})
@@ -312,12 +312,6 @@ class MessagesDialect:
             },
         )
         yield named_event("message_stop", {"type": "message_stop"})
-
-
-def _prompt_estimate(ctx: RequestContext) -> int:
-    if ctx.prompt_estimate is None:  # no budget of the tenant's needed it
-        ctx.prompt_estimate = protocol.count_prompt_tokens(ctx.body, ctx.route)
-    return ctx.prompt_estimate
 
 
 def stop_fields(finish: str | None, stop_string: object, *, called: bool = False) -> dict:

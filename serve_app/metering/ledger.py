@@ -28,7 +28,6 @@ from serve_app.config.models import ConfigError, MeteringConfig
 from serve_app.metering.book import BookError, UsageBook, UsageEntry
 from serve_app.metering.postgres import PostgresBook
 from serve_app.metering.sqlite import SqliteBook
-from serve_app.protocol import count_prompt_tokens
 
 # Counters of a day, per model. ``prompt_tokens``/``completion_tokens`` are what the backends
 # processed; a cache hit's tokens are ``cached_tokens`` (nothing was generated for them).
@@ -78,9 +77,7 @@ def charged_tokens(ctx) -> tuple[int, int, bool]:
         # an upstream's malformed usage: our own estimate instead
     if ctx.first_byte_at is None and not ctx.left_uncounted:
         return 0, 0, True
-    if ctx.prompt_estimate is None:
-        ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
-    return ctx.prompt_estimate, ctx.frames_sent, False
+    return ctx.counted_prompt(), ctx.frames_sent, False
 
 
 def _count(value: object) -> int | None:

@@ -15,7 +15,6 @@ from serve_app.adapters import ADAPTER_KEY, split_adapter_model
 from serve_app.config.models import GatewayConfig
 from serve_app.dialects.base import Dialect
 from serve_app.pipeline import Handler, RequestContext
-from serve_app.protocol import count_prompt_tokens
 from serve_app.traffic.policy import VARIANT_HEADER, Target, TrafficPolicy, place
 
 _MODELS = {
@@ -84,8 +83,7 @@ class ParseStage:
             ctx.target = self._with_adapter(ctx, target)
             return await call_next(ctx)
         try:
-            prompt = ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
-            placed = place(target, prompt, ctx.parsed.output_limit())
+            placed = place(target, ctx.counted_prompt(), ctx.parsed.output_limit())
             ctx.target = self._with_adapter(ctx, placed)
             response = await call_next(ctx)
         except errors.ForgeError as err:  # the variant's own errors say which it was

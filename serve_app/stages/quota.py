@@ -25,7 +25,6 @@ from serve_app.config.models import TenantConfig
 from serve_app.metering.ledger import charged_tokens
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import MAX_REQUEST_LIFE_S, Handler, RequestContext, on_response_end
-from serve_app.protocol import count_prompt_tokens
 from serve_app.stages.lease_keeper import LeaseKeeper
 from serve_app.stages.quota_buckets import TenantQuota
 from serve_app.stages.settles import Settles
@@ -71,9 +70,7 @@ class QuotaStage:
         quota = self.quotas[ctx.tenant.name]
         if quota.unlimited:
             return await call_next(ctx)
-        if ctx.prompt_estimate is None:  # parse counted it where a model's route needed it
-            ctx.prompt_estimate = count_prompt_tokens(ctx.body, ctx.route)
-        prompt_tokens = ctx.prompt_estimate
+        prompt_tokens = ctx.counted_prompt()  # parse counted it where a model's route needed it
         max_tokens = ctx.parsed.output_limit()
         if max_tokens is None:
             max_tokens = self.default_max_tokens.get(ctx.pool_model, 256)

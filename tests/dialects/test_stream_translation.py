@@ -85,7 +85,7 @@ async def test_responses_close_the_text_once_and_each_call_once():
 
 
 async def test_messages_open_and_close_one_block_per_part():
-    ctx = SimpleNamespace(prompt_estimate=10, request_id="r")
+    ctx = SimpleNamespace(counted_prompt=lambda: 10, request_id="r")
     seen = events(
         [e async for e in MessagesDialect()._stream(ctx, Exchange("msg_1", "m"), frames())]
     )
@@ -114,7 +114,7 @@ def anthropic_message(seen: list[dict]):
 
 
 async def translated(*frames: bytes) -> list[dict]:
-    ctx = SimpleNamespace(prompt_estimate=10, request_id="r")
+    ctx = SimpleNamespace(counted_prompt=lambda: 10, request_id="r")
     exchange = Exchange("msg_1", "m")
     return events([e async for e in MessagesDialect()._stream(ctx, exchange, stream_of(*frames))])
 
