@@ -253,6 +253,7 @@ class ResponsesDialect:
         message: dict | None = None  # the text item, while it is open
         text: list[str] = []  # all of the answer's text; message_text: the open item's
         calls = ToolCallDeltas()
+        namespaces = tool_namespaces(turn.request.tools)
         items: dict[int, tuple[int, dict]] = {}  # id() of a gathered call → (index, its item)
         usage, finish, failed = None, None, False
         async for kind, payload in chat_frames(chunks):
@@ -309,7 +310,6 @@ class ResponsesDialect:
                             for event in _text_done(events, message_index, message, message_text):
                                 yield event
                             message = None
-                        namespaces = tool_namespaces(turn.request.tools)
                         item = function_call_item(call, "in_progress", namespaces)
                         item["arguments"] = ""
                         items[id(call)] = (len(output), item)
