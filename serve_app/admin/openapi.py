@@ -55,10 +55,16 @@ class ResponseDeleted(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object with vLLM's fields. To a client that sends ``anthropic-version``,
+    Anthropic's instead (``type``, ``display_name``, ``max_input_tokens``; a list is paged by
+    ``limit``, ``after_id`` and ``before_id``)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    max_model_len: int | None = None  # the smallest context window of the pools it may use
+    parent: str | None = None  # an adapter's base model
 
 
 class ModelList(BaseModel):
@@ -228,6 +234,22 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
             "responses": {
                 "200": _json_ref("The served models", ModelList),
                 "401": failures["401"],
+            },
+        }
+    }
+    paths["/v1/models/{model}"] = {
+        "get": {
+            "tags": ["inference"],
+            "summary": "One model the calling tenant may call",
+            "operationId": "retrieve_model",
+            "security": security,
+            "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {
+                "200": _json_ref("The model", ModelCard),
+                "401": failures["401"],
+                "404": _error_ref("No such model for this tenant"),
             },
         }
     }

@@ -64,6 +64,8 @@ from serve_app.pipeline import RequestContext
 # user's (pydantic-ai: ``_map_thinking_part``), not as the model's reasoning.
 UNSIGNED = "forge-unsigned"
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# Routes whose answers are in Anthropic's shape already: counted tokens, the models' cards.
+_ANSWERED_AS_IS = frozenset({"count_tokens", "models"})
 # Anthropic's error types by status (its SDK picks the exception class by status alone).
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -192,10 +194,10 @@ class MessagesDialect:
     async def _json(
         self, ctx: RequestContext, exchange: Exchange | None, status: int, body: dict
     ) -> tuple[int, dict]:
+        if status == 200 and ctx.api in _ANSWERED_AS_IS:
+            return status, body
         if status != 200 or exchange is None:
             return status, anthropic_error(status, body.get("error") or {}, ctx.request_id)
-        if ctx.api == "count_tokens":
-            return status, body
         choice = (body.get("choices") or [{}])[0]
         text, calls, finish = chat_message(choice)
         content: list[dict] = []

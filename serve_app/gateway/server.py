@@ -26,9 +26,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from serve_app import errors
 from serve_app.admin.api import build_admin_api, http_error
 from serve_app.auth.keys import KeyRing
 from serve_app.config.models import ForgeConfig
+from serve_app.gateway import catalog
+from serve_app.gateway.catalog import ANTHROPIC_VERSION
 from serve_app.gateway.live import LiveUpdates
 from serve_app.gateway.request_limits import RequestLimits
 from serve_app.metering.ledger import UsageLedger
@@ -192,6 +195,7 @@ class Gateway:
                 Route("/v1/messages", self.messages, methods=["POST"]),
                 Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.list_models, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
             ],
@@ -252,7 +256,13 @@ class Gateway:
         return await pipeline.dialects[ctx.dialect].answer(ctx, await pipeline.inference(ctx))
 
     async def list_models(self, request: Request) -> Response:
-        return await self.pipeline.listing(RequestContext(request, "models"))
+        """``/v1/models`` and ``/v1/models/{model}``; to Anthropic's SDK in its own shape,
+        errors included."""
+        if ANTHROPIC_VERSION not in request.headers:
+            return await self.pipeline.listing(RequestContext(request, "models"))
+        ctx = RequestContext(request, "models", "models", "messages")
+        pipeline = self.pipeline
+        return await pipeline.dialects["messages"].answer(ctx, await pipeline.listing(ctx))
 
     async def status(self) -> dict:
         """What ``GET /admin/status`` shows of this gateway replica: its store, the store errors
@@ -319,8 +329,19 @@ class Gateway:
         return await self.backends[name].ready()
 
     async def _list_models(self, ctx: RequestContext) -> Response:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "forge"}
-            for m in self.models.listed(ctx.tenant)
-        ]
-        return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)
+        """The names ``ctx``'s tenant may call (``gateway/catalog.py``); one of them, where the
+        path names it: any other is a 404, whether it exists or is someone else's."""
+        policy, anthropic = self.models, ctx.dialect == "messages"
+        card = catalog.anthropic_card if anthropic else catalog.openai_card
+        names = policy.listed(ctx.tenant)
+        asked = ctx.request.path_params.get("model")
+        if asked is not None:
+            if asked not in names:
+                raise errors.model_not_found(asked)
+            body = card(policy, asked)
+        elif anthropic:
+            cards = [card(policy, m) for m in names]
+            body = catalog.anthropic_page(cards, ctx.request.query_params)
+        else:
+            body = {"object": "list", "data": [card(policy, m) for m in names]}
+        return Response(orjson.dumps(body), media_type=_JSON)

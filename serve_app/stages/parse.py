@@ -78,7 +78,7 @@ class ParseStage:
             return await call_next(ctx)
         target = self.policy.resolve(model, ctx.tenant_name, ctx.body, ctx.request.headers)
         if ctx.dialect == "messages":
-            _fit_output(ctx, [self.policy.windows.get(s.backend) for s in target.steps if s.model])
+            _fit_output(ctx, self.policy.window(target.steps))
         if target.variant is None:  # a pool's own name: where it always went
             ctx.target = self._with_adapter(ctx, target)
             return await call_next(ctx)
@@ -130,19 +130,16 @@ class ParseStage:
         return b"".join(chunks)
 
 
-def _fit_output(ctx: RequestContext, windows: list[int | None]) -> None:
-    """An Anthropic client's ``max_tokens`` cut to the smallest context window of the pools
-    the request may land on. Anthropic's clients size it for Claude (Claude Code asks for
+def _fit_output(ctx: RequestContext, room: int | None) -> None:
+    """An Anthropic client's ``max_tokens`` cut to ``room``, the smallest context window of the
+    pools the request may land on. Anthropic's clients size it for Claude (Claude Code asks for
     32,000 tokens and more), which a self-hosted model's window may not hold: vLLM refuses a
     ``max_tokens`` past its whole window, and the quota stage would reserve it. Past what the
     prompt leaves of the window, vLLM cuts it itself, with the model's own count of the
     prompt (the gateway's is an estimate: cutting by it could leave too little). Left as it is
     where a pool's window is not in its config."""
     limit = ctx.parsed.output_limit()
-    if not windows or None in windows or limit is None:
-        return
-    room = min(w for w in windows if w is not None)
-    if limit > room:
+    if room is not None and limit is not None and limit > room:
         ctx.body["max_tokens"] = ctx.parsed.max_tokens = room
         ctx.body.pop("max_completion_tokens", None)
         ctx.parsed.max_completion_tokens = None

@@ -154,6 +154,20 @@ class TrafficPolicy:
             return False
         return allowed is None or model in allowed
 
+    def window(self, steps: Collection[Step]) -> int | None:
+        """The context window a request on ``steps`` can count on: the smallest of their pools'
+        (the fallback's is its own, larger); None where a pool's is not in its config."""
+        windows = [self.windows.get(s.backend) for s in steps if s.model is not None]
+        if not windows or None in windows:
+            return None
+        return min(w for w in windows if w is not None)
+
+    def served_window(self, model: str) -> int | None:
+        """The context window of a served name: over every variant of a ``models:`` entry."""
+        entry = self.entries.get(model)
+        routes = entry.routes if entry is not None else (model,)
+        return self.window([s for r in routes for s in self.routes.get(r, ())])
+
     def listed(self, tenant: TenantConfig | None) -> list[str]:
         """What ``/v1/models`` lists to ``tenant``: the names it may call, adapters included."""
         return [m for m in [*self.names, *self.adapters] if self.may_call(tenant, m)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -481,7 +482,7 @@ def served_operations(gateway: Gateway) -> set[tuple[str, str]]:
     app = gateway.asgi_app()
     routes = [*app.routes, *app.router.default.routes]
     return {
-        (route.path, method.lower())
+        (re.sub(r"{(\w+):\w+}", r"{\1}", route.path), method.lower())  # as OpenAPI writes it
         for route in routes
         if getattr(route, "include_in_schema", True)
         for method in route.methods

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from tests.e2e.conftest import ALPHA_KEY, COLD_POOL
@@ -103,6 +104,13 @@ def test_models_lists_pools_and_fallback(openai_client):
         "forge-embed",
         "mock-gemini",
     }
+
+
+def test_a_model_is_retrieved_by_its_name_and_an_unknown_one_is_a_404(openai_client):
+    assert openai_client.models.retrieve("forge-sim").id == "forge-sim"
+    with pytest.raises(openai.NotFoundError) as missing:
+        openai_client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
 
 
 def test_fallback_model_is_served_over_http_by_the_mock(openai_client):

@@ -8,6 +8,7 @@ import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -18,6 +19,7 @@ from serve_app.gateway.server import Gateway
 from serve_app.local import build_local_gateway
 from serve_app.mock_openai import create_mock_app
 from serve_app.resilience.breaker import State
+from tests.dialects.conftest import anthropic_client
 from tests.doubles import RecordingMetrics
 from tests.polling import eventually_async
 
@@ -113,6 +115,42 @@ async def test_models_lists_the_aliases_and_a_tenant_sees_only_what_it_may_call(
         assert refused.value.body["code"] == "model_not_found"
         raw = await limited.chat.completions.with_raw_response.create(**ask("chat"))
         assert raw.headers["x-forge-variant"] in {"stable", "canary"}
+
+
+async def test_a_models_card_gives_the_smallest_window_it_may_land_in(gateway):
+    """An alias's window is its smallest pool's (``chat``: primary 256 beside canary 8,192):
+    what a client may size a request by. The fallback alone has no window Forge knows."""
+    async with client(gateway) as alpha, client(gateway, LIMITED_KEY) as limited:
+        cards = {m.id: m async for m in alpha.models.list()}
+        assert cards["chat"].max_model_len == 256
+        assert cards["forge-sim-v2"].max_model_len == 8192
+        assert not hasattr(cards["mock-gemini"], "max_model_len")
+        retrieved = await alpha.models.retrieve("chat")
+        assert (retrieved.id, retrieved.max_model_len) == ("chat", 256)
+        with pytest.raises(openai.NotFoundError) as hidden:
+            await limited.models.retrieve("forge-sim")  # not this tenant's: as if none
+        with pytest.raises(openai.NotFoundError) as missing:
+            await alpha.models.retrieve("no-such-model")
+    assert hidden.value.body == {**missing.value.body, "message": hidden.value.body["message"]}
+    assert hidden.value.body["code"] == "model_not_found"
+
+
+async def test_anthropics_client_lists_and_pages_the_models_in_its_own_shape(gateway):
+    async with anthropic_client(gateway, KEY) as claude:
+        every = [m async for m in claude.models.list(limit=2)]  # the SDK follows the pages
+        first = await claude.models.list(limit=2)
+        chat = await claude.models.retrieve("chat")
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            await claude.models.retrieve("no-such-model")
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await claude.models.list(limit=0)
+    async with client(gateway) as alpha:
+        assert [m.id for m in every] == [m.id async for m in alpha.models.list()]
+    assert first.has_more and first.last_id == every[1].id and len(first.data) == 2
+    assert (chat.type, chat.max_input_tokens, chat.max_tokens) == ("model", 256, 256)
+    assert chat.created_at.year == 1970 and chat.display_name == "chat"
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
 
 
 async def test_each_variant_is_answered_by_its_own_pool(gateway):
