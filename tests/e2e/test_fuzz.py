@@ -80,6 +80,7 @@ OPERATIONS = [
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model}"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/v1/usage"),
