@@ -6,11 +6,12 @@ laptop as on the cluster.
   ``finish_reason: "stop"`` and, as vLLM adds, ``stop_reason``: the stop string (null when the
   answer ended otherwise); text that might begin a stop string is held back until it cannot.
 - ``response_format`` ``json_object``: the generated words become ``{"answer": "<words>"}``;
-  ``json_schema``: an object with every property of the schema's top level, the first string
-  property carrying the words and the others a value of their type (string "", number 0,
-  integer 0, boolean false, array [], object {}, null). Valid JSON whenever the generation ends
-  on its own; cut by ``max_tokens`` (``finish_reason: "length"``) it is unfinished, as a real
-  model's is.
+  ``json_schema``: a value that validates against the schema (``schema_values.py``: nested
+  models, ``$ref``, ``anyOf``, formats), the first string in it carrying the words and the
+  others empty (numbers 0 or their minimum, booleans false); with no string anywhere the words
+  are not said and the value comes whole at the end. Valid whenever the generation ends on its
+  own; cut by ``max_tokens`` (``finish_reason: "length"``) it is unfinished, as a real model's
+  is.
 
 Token counts are the engine's: the wrapping costs no tokens, as guided decoding's grammar
 tokens are not separate in this model.
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+
+from serve_app.engines.schema_values import SchemaValues
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:
@@ -69,11 +71,13 @@ def _prefix_overlap(text: str, stop: str) -> int:
 
 
 class JsonShape:
-    """The opening and closing text around the generated words in JSON mode."""
+    """The opening and closing text around the generated words in JSON mode; ``words`` False
+    where the schema has no string to carry them (the object comes whole at the end)."""
 
-    def __init__(self, opening: str, closing: str) -> None:
+    def __init__(self, opening: str, closing: str, words: bool = True) -> None:
         self.opening = opening
         self.closing = closing
+        self.words = words
 
     @classmethod
     def of(cls, body: dict) -> JsonShape | None:
@@ -85,48 +89,22 @@ class JsonShape:
             return cls('{"answer": "', '"}')
         if kind != "json_schema":
             return None
-        schema = (spec.get("json_schema") or {}).get("schema") or {}
-        properties = schema.get("properties") if isinstance(schema, dict) else None
-        if not isinstance(properties, dict) or not properties:
+        schema = (spec.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict) or not schema:
             return cls('{"answer": "', '"}')
-        names = list(properties)
-        text_field = next(
-            (n for n in names if _type_of(properties[n]) == "string"),
-            None,
-        )
-        if text_field is None:
-            return cls(json.dumps({n: _value_of(properties[n]) for n in names}), "")
-        before = {n: _value_of(properties[n]) for n in names[: names.index(text_field)]}
-        after = {n: _value_of(properties[n]) for n in names[names.index(text_field) + 1 :]}
-        opening = "{" + "".join(f"{json.dumps(k)}: {json.dumps(v)}, " for k, v in before.items())
-        opening += json.dumps(text_field) + ': "'
-        closing = '"' + "".join(f", {json.dumps(k)}: {json.dumps(v)}" for k, v in after.items())
-        return cls(opening, closing + "}")
+        slots = iter([_SLOT])  # the first string says the words, any other is empty
+        value = SchemaValues(lambda: next(slots, ""), _SCALARS).value(schema)
+        text = json.dumps(value)
+        slot = json.dumps(_SLOT)
+        if slot not in text:
+            return cls("", text, words=False)
+        opening, closing = text.split(slot, 1)
+        return cls(opening + '"', '"' + closing)
 
-    @staticmethod
-    def escape(text: str) -> str:
-        """Words as the inside of a JSON string."""
-        return json.dumps(text)[1:-1]
+    def escape(self, text: str) -> str:
+        """Words as the inside of a JSON string (none where nothing carries them)."""
+        return json.dumps(text)[1:-1] if self.words else ""
 
 
-def _type_of(schema: Any) -> str | None:
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
-    return kind if isinstance(kind, str) else None
-
-
-_DEFAULTS: dict[str | None, Any] = {
-    "string": "",
-    "number": 0,
-    "integer": 0,
-    "boolean": False,
-    "array": [],
-    "object": {},
-}
-
-
-def _value_of(schema: Any) -> Any:
-    if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and schema["enum"]:
-        return schema["enum"][0]
-    return _DEFAULTS.get(_type_of(schema))
+_SLOT = "\x00forge-words\x00"  # where the words go: no schema value or format example has it
+_SCALARS = {"integer": 0, "number": 0, "boolean": False}

@@ -6,18 +6,23 @@ The rule, for a chat request with ``tools``:
 - ``tool_choice: "none"``, or no tools: a plain text answer.
 - ``tool_choice: {"type": "function", "function": {"name": N}}``: a call of N (a 400 if N is not
   among the tools).
-- ``"auto"`` (the default): if the conversation ends with a tool result (a ``tool`` message), the
-  final text answer. Otherwise a call of every tool the last user message names (case-insensitive:
+- ``"auto"`` (the default): once the results of the last assistant message's calls are in (``tool``
+  messages after it, whatever text follows them), the final text answer. Otherwise a call of
+  every tool the last user message names (case-insensitive:
   its name, or the words of its name after the first, so ``get_service_status`` is named by
   "service status" and ``open_ticket`` by "ticket"), in the order of ``tools``; one call only
   when ``parallel_tool_calls`` is false; a text answer when it names none.
-- ``"required"``: as ``auto``, but always a call: of the named tools, else of the first tool.
+- ``"required"``: as ``auto``, but always a call: of the named tools, else of the first tool;
+  once results are in, of the first tool not just called (so a loop ends on a final tool, as
+  pydantic-ai's ``final_result``).
 
-Arguments fill the tool's ``parameters`` schema (its ``required`` properties, or all of them if it
-lists none): an enum's first value; a string is the last word of the last user message that is
-not a tool's name (``"value"`` if none); an integer or number its ``minimum`` (else 1); a
-boolean ``true``; an array ``[]``; an object ``{}``. Each call's arguments are one JSON object
-that validates against such a schema, streamed token by token as OpenAI tool-call deltas.
+Arguments fill the tool's ``parameters`` schema (``schema_values.py``: its ``required``
+properties, or all of them if it lists none; nested models through ``$ref``, the first
+non-null branch of an ``anyOf``): an enum's first value; a string is the last word of the last
+user message that is not a tool's name (``"value"`` if none), or its format's example; an
+integer or number its ``minimum`` (else 1); a boolean ``true``; an array its ``minItems``. Each
+call's arguments are one JSON object that validates against the schema, streamed token by token
+as OpenAI tool-call deltas.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app import errors
+from serve_app.engines.schema_values import SchemaValues
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
+_SCALARS = {"integer": 1, "number": 1, "boolean": True}
 
 
 @dataclass(frozen=True)
@@ -58,22 +65,42 @@ def plan_tool_calls(body: dict, request_id: str) -> list[ToolCall]:
             )
         chosen = [name]
     else:
-        if choice == "auto" and messages and messages[-1].get("role") == "tool":
-            return []  # a tool result is in: answer
-        chosen = [n for n in by_name if _mentions(said, n)]
+        answered = _answered_calls(messages)
+        if answered is not None:  # the results of the model's last calls are in
+            if choice == "auto":
+                return []  # answer
+            # Required: a tool not just called (pydantic-ai's final_result after its tools),
+            # rather than the same call for ever.
+            chosen = [next((n for n in by_name if n not in answered), next(iter(by_name)))]
+        else:
+            chosen = [n for n in by_name if _mentions(said, n)]
         if not chosen and choice == "required":
             chosen = [next(iter(by_name))]
         if body.get("parallel_tool_calls") is False:
             chosen = chosen[:1]
     subject = _subject(said, by_name)
+    values = SchemaValues(lambda: subject, _SCALARS)
     return [
         ToolCall(
             id=f"call_{zlib.crc32(f'{request_id}:{i}'.encode()):08x}",
             name=name,
-            arguments=json.dumps(_arguments(by_name[name].get("parameters") or {}, subject)),
+            arguments=json.dumps(values.arguments(by_name[name].get("parameters"))),
         )
         for i, name in enumerate(chosen)
     ]
+
+
+def _answered_calls(messages: list[dict]) -> set[str] | None:
+    """The names the last assistant message called, when their results follow it (a tool
+    message; a client's note after them, as Claude Code adds, changes nothing); else None."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") != "assistant":
+            continue
+        calls = messages[i].get("tool_calls") or []
+        if not calls or not any(m.get("role") == "tool" for m in messages[i + 1 :]):
+            return None
+        return {(c.get("function") or {}).get("name") for c in calls if isinstance(c, dict)}
+    return None
 
 
 def _last_user_text(messages: list[dict]) -> str:
@@ -97,29 +124,3 @@ def _subject(text: str, tools: dict[str, Any]) -> str:
     names = {w.lower() for n in tools for w in [n, *n.split("_")]}
     words = [w for w in _WORD.findall(text) if w.lower() not in names]
     return words[-1] if words else "value"
-
-
-def _arguments(schema: dict, subject: str) -> dict:
-    properties = schema.get("properties") or {}
-    wanted = schema.get("required") or list(properties)
-    return {name: _value(properties.get(name) or {}, subject) for name in wanted}
-
-
-def _value(schema: dict, subject: str) -> Any:
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return schema["enum"][0]
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
-    if kind == "string":
-        return subject
-    if kind in ("integer", "number"):
-        low = schema.get("minimum", 1)
-        return int(low) if kind == "integer" else float(low)
-    if kind == "boolean":
-        return True
-    if kind == "array":
-        return []
-    if kind == "object":
-        return _arguments(schema, subject)
-    return subject

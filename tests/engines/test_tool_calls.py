@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -88,6 +90,13 @@ def test_auto_answers_in_text_when_no_tool_is_named_or_a_result_is_in():
         {"role": "tool", "tool_call_id": call.id, "content": '{"status": "degraded"}'},
     ]
     assert plan_tool_calls(body(after), "r") == []
+    # Claude Code puts a note of its own after the results: still the results' turn.
+    noted = [*after, {"role": "user", "content": "<system-reminder>Check the service status"}]
+    assert plan_tool_calls(body(noted), "r") == []
+    # Required, results in: the tool it did not just call (pydantic-ai's final_result), so a
+    # required loop ends instead of calling the same tool for ever.
+    [then] = plan_tool_calls(body(noted, tool_choice="required"), "r")
+    assert then.name == "open_ticket" != call.name
 
 
 def test_required_named_none_and_parallel_choices():
@@ -249,6 +258,52 @@ async def test_the_clients_structured_output_helper_parses_into_a_pydantic_model
     )
     ticket = completion.choices[0].message.parsed
     assert isinstance(ticket, Ticket) and ticket.title
+
+
+class Address(pydantic.BaseModel):
+    city: str
+    zip: int = pydantic.Field(ge=1000)
+
+
+class Order(pydantic.BaseModel):
+    """What pydantic makes of a nested model, an Optional, a list, a date and a Literal:
+    ``$ref`` into ``$defs``, ``anyOf`` with null, ``format``, ``enum``."""
+
+    address: Address
+    quantity: int | None
+    placed: dt.datetime
+    lines: list[Address] = pydantic.Field(min_length=1)
+    kind: Literal["retail", "bulk"]
+
+
+class Count(pydantic.BaseModel):  # no string anywhere for the words to go in
+    n: int
+    ok: bool | None
+
+
+@pytest.mark.parametrize("model", [Order, Count])
+async def test_the_structured_output_helpers_parse_pydantics_nested_schemas(client, model):
+    ask = [{"role": "user", "content": "The order for Paris, please."}]
+    completion = await client.chat.completions.parse(
+        model="m", messages=ask, response_format=model, max_tokens=400
+    )
+    assert isinstance(completion.choices[0].message.parsed, model)
+    async with client.chat.completions.stream(
+        model="m", messages=ask, response_format=model, max_tokens=400
+    ) as stream:
+        final = await stream.get_final_completion()
+    assert final.choices[0].message.parsed == completion.choices[0].message.parsed
+
+
+def test_a_tools_arguments_validate_against_pydantics_nested_schema():
+    """What the OpenAI Agents SDK and pydantic-ai send for ``def ship(order: Order)``."""
+    parameters = pydantic.TypeAdapter(Order).json_schema()
+    tool = {"type": "function", "function": {"name": "ship", "parameters": parameters}}
+    ask = [{"role": "user", "content": "ship it to Paris"}]
+    [call] = plan_tool_calls(body(ask, tools=[tool], tool_choice="required"), "r")
+    order = Order.model_validate_json(call.arguments)
+    assert order.address.city == "Paris" and order.quantity is not None
+    jsonschema.validate(json.loads(call.arguments), parameters)
 
 
 async def test_max_tokens_cuts_the_arguments_as_a_real_model_would(client):
