@@ -25,6 +25,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
+import orjson
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -39,6 +40,7 @@ from serve_app.auth.keys import AdminKeys, KeyRing
 from serve_app.auth.throttle import FailedAuthThrottle, authenticate
 from serve_app.backends.base import PoolControl
 from serve_app.config.models import ForgeConfig, ModelPrice, TenantConfig
+from serve_app.dialects.messages import anthropic_error, speaks_anthropic
 from serve_app.metering.book import BookError
 from serve_app.metering.ledger import UsageLedger, UsageRow, date_range
 from serve_app.replica.faults import FaultSpec
@@ -468,7 +470,8 @@ def lines(rows: Iterable[UsageRow]) -> list[UsageLine]:
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
-    """Starlette's and FastAPI's own 404/405 (and any ``HTTPException``), OpenAI-shaped."""
+    """Starlette's and FastAPI's own 404/405 (and any ``HTTPException``), OpenAI-shaped; in
+    Anthropic's shape to an Anthropic client (``/v1/messages/batches``, ``GET /v1/messages``)."""
     headers = dict(exc.headers or {})  # a 405's Allow
     if exc.status_code == 405:
         err = errors.method_not_allowed(request.method, request.url.path)
@@ -476,6 +479,9 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
         err = errors.not_found(request.url.path)
     else:
         err = errors.ForgeError(exc.status_code, str(exc.detail), type="invalid_request_error")
+    if speaks_anthropic(request):
+        body = anthropic_error(err.status, err.body()["error"], "")
+        return Response(orjson.dumps(body), err.status, headers, media_type="application/json")
     return errors.error_response(err, headers)
 
 

@@ -39,6 +39,7 @@ from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.requests import Request
 from starlette.responses import Response
 
 from serve_app import errors, protocol
@@ -53,7 +54,6 @@ from serve_app.dialects.base import (
     reasoning_of,
     required_string,
     rewrite,
-    text_of,
     thinking_switch,
 )
 from serve_app.pipeline import RequestContext
@@ -64,6 +64,9 @@ from serve_app.pipeline import RequestContext
 # user's (pydantic-ai: ``_map_thinking_part``), not as the model's reasoning.
 UNSIGNED = "forge-unsigned"
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+ANTHROPIC_VERSION = "anthropic-version"  # the header every Anthropic SDK call carries
+# Anthropic-defined client tools: the client runs them, but their schema is Anthropic's own.
+_ANTHROPIC_DEFINED = ("bash_", "text_editor_", "memory_", "computer_")
 # Routes whose answers are in Anthropic's shape already: counted tokens, the models' cards.
 _ANSWERED_AS_IS = frozenset({"count_tokens", "models"})
 # Anthropic's error types by status (its SDK picks the exception class by status alone).
@@ -136,7 +139,7 @@ class MessagesDialect:
                 )
         thinking = _thinking(req.thinking)
         ctx.turn = Exchange("msg_" + uuid.uuid4().hex, req.model, thinking)
-        system = text_of(req.system, "text", sep="\n") if req.system is not None else ""
+        system = _system_text(req.system)
         messages = [{"role": "system", "content": system}] if system else []
         for i, message in enumerate(req.messages):
             for turn in chat_messages(message, f"messages.{i}"):
@@ -364,6 +367,12 @@ def anthropic_usage(usage: dict | None) -> dict:
     }
 
 
+def speaks_anthropic(request: Request) -> bool:
+    """A request from an Anthropic client: on the Messages routes, or with the version header
+    Anthropic's SDKs send on every call (``/v1/models``, a path not served)."""
+    return request.url.path.startswith("/v1/messages") or ANTHROPIC_VERSION in request.headers
+
+
 def anthropic_error(status: int, error: dict, request_id: str) -> dict:
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     message = error.get("message") if isinstance(error.get("message"), str) else None
@@ -381,6 +390,8 @@ def anthropic_error(status: int, error: dict, request_id: str) -> dict:
 async def count_tokens(ctx: RequestContext) -> Response:
     """``/v1/messages/count_tokens``: the gateway's count of the translated prompt, the one its
     budgets reserve (the engine's own tokenizer may differ by a few tokens)."""
+    if not ctx.model_served:  # parse leaves an unknown model to dispatch, which counting skips
+        raise errors.model_not_found(ctx.model_name)
     tokens = protocol.count_prompt_tokens(ctx.body or {}, "chat")
     return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json")
 
@@ -413,8 +424,10 @@ def chat_messages(message: dict, param: str) -> list[dict]:
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         where = f"{param}.content.{j}"
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append({"type": "text", "text": block["text"]})
+        if kind == "text":
+            parts.append(
+                {"type": "text", "text": required_string(block, "text", where, empty=True)}
+            )
         elif kind == "image" and role == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
         elif kind == "tool_use" and role == "assistant":
@@ -572,8 +585,28 @@ def chat_response_format(req: MessagesRequest) -> dict | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
+def _system_text(system: str | list[dict] | None) -> str:
+    """``system``: a string, or text blocks (all Anthropic takes there), joined as vLLM joins
+    text parts; any other block is a 400, never dropped unseen."""
+    if system is None or isinstance(system, str):
+        return system or ""
+    texts = []
+    for i, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else None
+            raise errors.invalid_request(
+                f"Content blocks of type '{kind}' are not supported in 'system': it takes text "
+                "blocks.",
+                param=f"system.{i}.type",
+                code="unsupported_parameter",
+            )
+        texts.append(required_string(block, "text", f"system.{i}", empty=True))
+    return "\n".join(texts)
+
+
 def _image_url(block: dict, where: str) -> str:
-    source = block.get("source") or {}
+    source = block.get("source")
+    source = source if isinstance(source, dict) else {}
     if source.get("type") == "url" and isinstance(source.get("url"), str):
         return source["url"]
     if source.get("type") == "base64" and isinstance(source.get("data"), str):
@@ -587,10 +620,16 @@ def _image_url(block: dict, where: str) -> str:
 def chat_tools(tools: list[dict]) -> list[dict]:
     out = []
     for i, tool in enumerate(tools):
-        if tool.get("type") not in (None, "custom"):
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            why = (
+                "its input schema is one only Anthropic's models know"
+                if isinstance(kind, str) and kind.startswith(_ANTHROPIC_DEFINED)
+                else "server tools run on Anthropic's servers"
+            )
             raise errors.invalid_request(
-                f"Tools of type '{tool.get('type')}' are not supported by this gateway: server "
-                "tools run on Anthropic's servers; declare a client tool (name, input_schema).",
+                f"Tools of type '{kind}' are not supported by this gateway: {why}; declare a "
+                "client tool (name, input_schema).",
                 param=f"tools.{i}.type",
                 code="unsupported_tool",
             )

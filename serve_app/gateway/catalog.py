@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from serve_app import errors
 from serve_app.traffic.policy import TrafficPolicy
 
-ANTHROPIC_VERSION = "anthropic-version"
 _EPOCH = "1970-01-01T00:00:00Z"  # Anthropic's "release date unknown"
 _DEFAULT_LIMIT, _MAX_LIMIT = 20, 1000  # Anthropic's page sizes
 

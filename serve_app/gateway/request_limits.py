@@ -20,7 +20,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve_app import errors
 
 # Routes whose bodies the pipeline reads under its own limits (and counts what it refuses).
-_PIPELINE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Theirs answer in the route's own shape (Anthropic's on the Messages routes).
+_PIPELINE_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    }
+)
 
 
 class RequestLimits:

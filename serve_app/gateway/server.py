@@ -30,8 +30,8 @@ from serve_app import errors
 from serve_app.admin.api import build_admin_api, http_error
 from serve_app.auth.keys import KeyRing
 from serve_app.config.models import ForgeConfig
+from serve_app.dialects.messages import speaks_anthropic
 from serve_app.gateway import catalog
-from serve_app.gateway.catalog import ANTHROPIC_VERSION
 from serve_app.gateway.live import LiveUpdates
 from serve_app.gateway.request_limits import RequestLimits
 from serve_app.metering.ledger import UsageLedger
@@ -258,7 +258,7 @@ class Gateway:
     async def list_models(self, request: Request) -> Response:
         """``/v1/models`` and ``/v1/models/{model}``; to Anthropic's SDK in its own shape,
         errors included."""
-        if ANTHROPIC_VERSION not in request.headers:
+        if not speaks_anthropic(request):
             return await self.pipeline.listing(RequestContext(request, "models"))
         ctx = RequestContext(request, "models", "models", "messages")
         pipeline = self.pipeline

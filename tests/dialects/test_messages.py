@@ -350,6 +350,32 @@ async def test_a_bearer_key_works_as_well_as_x_api_key(gateway: Gateway):
             400,
             "invalid_request_error",
         ),
+        *[  # malformed blocks: a 400 naming the field, never a 500 (which the SDK retries)
+            (
+                {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [b]}]},
+                400,
+                "invalid_request_error",
+            )
+            for b in (
+                {"type": "image", "source": "https://images.test/cat.png"},
+                {"type": "image", "source": ["base64"]},
+                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]},
+                {"type": "text"},
+            )
+        ],
+        *[  # a system block that is not text is refused, not dropped unseen
+            (
+                {
+                    "model": MODEL,
+                    "max_tokens": 2,
+                    "system": [block],
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+                400,
+                "invalid_request_error",
+            )
+            for block in ({"type": "image", "source": {"type": "url", "url": "u"}}, {})
+        ],
     ],
 )
 async def test_errors_are_in_anthropics_shape(gateway: Gateway, body, status, kind):
@@ -359,6 +385,29 @@ async def test_errors_are_in_anthropics_shape(gateway: Gateway, body, status, ki
     payload = answer.json()
     assert payload["type"] == "error" and payload["error"]["type"] == kind
     assert payload["error"]["message"] and payload["request_id"] == answer.headers["x-request-id"]
+
+
+async def test_what_the_pipeline_never_reads_is_refused_in_anthropics_shape_too(
+    gateway: Gateway, claude
+):
+    """A body over the limit, a path or method not served, an unknown model to count for:
+    each in Anthropic's shape and of the status the SDK maps to its own exception."""
+    big = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 9999}]}
+    async with http(gateway) as client:
+        answers = [
+            await client.post("/v1/messages", json=big, headers={"x-api-key": KEY}),
+            await client.post("/v1/messages/batches", json={}, headers={"x-api-key": KEY}),
+            await client.get("/v1/messages", headers={"x-api-key": KEY}),
+        ]
+    assert [a.status_code for a in answers] == [413, 404, 405]
+    kinds = [a.json()["error"]["type"] for a in answers]
+    assert kinds == ["request_too_large", "not_found_error", "invalid_request_error"]
+    assert all(a.json()["type"] == "error" for a in answers)
+    assert answers[0].headers["request-id"]  # the pipeline refused it: the SDK reads its id
+    with pytest.raises(anthropic.NotFoundError):
+        await claude.messages.count_tokens(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
 
 
 async def test_the_sdk_raises_what_it_would_against_anthropic(gateway: Gateway):
