@@ -117,7 +117,7 @@ class Turn:
             "previous_response_id": req.previous_response_id,
             "store": req.store,
             "temperature": req.temperature if req.temperature is not None else 1.0,
-            "text": self.body.get("text") or {"format": {"type": "text"}},
+            "text": {"format": {"type": "text"}, **(self.body.get("text") or {})},
             "tool_choice": self.body.get("tool_choice", "auto"),
             "tools": self.body.get("tools") or [],
             "top_p": req.top_p if req.top_p is not None else 1.0,
@@ -225,6 +225,8 @@ class ResponsesDialect:
         namespaces = tool_namespaces(turn.request.tools)
         output += [function_call_item(c, "completed", namespaces) for c in calls]
         incomplete = "max_output_tokens" if finish == "length" else None
+        if incomplete and output:
+            output[-1]["status"] = "incomplete"  # the item the limit cut, as OpenAI marks it
         obj = turn.response(
             "incomplete" if incomplete else "completed",
             output,
@@ -255,6 +257,7 @@ class ResponsesDialect:
         calls = ToolCallDeltas()
         namespaces = tool_namespaces(turn.request.tools)
         items: dict[int, tuple[int, dict]] = {}  # id() of a gathered call → (index, its item)
+        open_call: tuple[int, dict] | None = None  # the call item whose arguments are streaming
         usage, finish, failed = None, None, False
         async for kind, payload in chat_frames(chunks):
             if kind == "comment":
@@ -310,9 +313,12 @@ class ResponsesDialect:
                             for event in _text_done(events, message_index, message, message_text):
                                 yield event
                             message = None
+                        if open_call is not None:  # one call at a time, as OpenAI streams them
+                            for event in _call_done(events, *open_call):
+                                yield event
                         item = function_call_item(call, "in_progress", namespaces)
                         item["arguments"] = ""
-                        items[id(call)] = (len(output), item)
+                        items[id(call)] = open_call = (len(output), item)
                         output.append(item)
                         yield events(
                             "response.output_item.added", output_index=len(output) - 1, item=item
@@ -320,33 +326,29 @@ class ResponsesDialect:
                     index, item = items[id(call)]
                     if arguments:
                         item["arguments"] += arguments
-                        yield events(
-                            "response.function_call_arguments.delta",
-                            item_id=item["id"],
-                            output_index=index,
-                            delta=arguments,
-                        )
+                        if item["status"] == "in_progress":  # else a late delta: kept, not told
+                            yield events(
+                                "response.function_call_arguments.delta",
+                                item_id=item["id"],
+                                output_index=index,
+                                delta=arguments,
+                            )
                 finish = choice.get("finish_reason") or finish
         if failed:
             return
+        incomplete = "max_output_tokens" if finish == "length" else None
+        # The item the limit cut ends incomplete, as OpenAI marks it; the ones before, done.
+        ending = "incomplete" if incomplete else "completed"
         if thought is not None:
             said = "".join(reasoning[reasoning_start:])
-            for event in _reasoning_done(events, thought_index, thought, said):
+            for event in _reasoning_done(events, thought_index, thought, said, ending):
                 yield event
         if message is not None:
-            for event in _text_done(events, message_index, message, message_text):
+            for event in _text_done(events, message_index, message, message_text, ending):
                 yield event
-        for index, item in items.values():
-            item["status"] = "completed"
-            yield events(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=index,
-                name=item["name"],
-                arguments=item["arguments"],
-            )
-            yield events("response.output_item.done", output_index=index, item=item)
-        incomplete = "max_output_tokens" if finish == "length" else None
+        if open_call is not None:
+            for event in _call_done(events, *open_call, ending):
+                yield event
         obj = turn.response(
             "incomplete" if incomplete else "completed",
             output,
@@ -384,13 +386,30 @@ class _Events:
         return named_event(kind, payload)
 
 
-def _text_done(events: _Events, index: int, message: dict, text: list[str]) -> list[bytes]:
+def _text_done(
+    events: _Events, index: int, message: dict, text: list[str], status: str = "completed"
+) -> list[bytes]:
     """The open text item's closing events; its text is what was said so far."""
     said = "".join(text)
-    message["status"] = "completed"
+    message["status"] = status
     message["content"] = [_text_part(said)]
     done = "response.output_text.done"
     return _closed(events, index, message, done, _text_part(said), text=said, logprobs=[])
+
+
+def _call_done(events: _Events, index: int, item: dict, status: str = "completed") -> list[bytes]:
+    """A function call item's closing events, once the next call opens or the answer ends."""
+    item["status"] = status
+    return [
+        events(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            name=item["name"],
+            arguments=item["arguments"],
+        ),
+        events("response.output_item.done", output_index=index, item=item),
+    ]
 
 
 def _opened(events: _Events, index: int, item: dict, part: dict) -> list[bytes]:
@@ -401,9 +420,11 @@ def _opened(events: _Events, index: int, item: dict, part: dict) -> list[bytes]:
     ]
 
 
-def _reasoning_done(events: _Events, index: int, item: dict, said: str) -> list[bytes]:
+def _reasoning_done(
+    events: _Events, index: int, item: dict, said: str, status: str = "completed"
+) -> list[bytes]:
     """The open reasoning item's closing events, once the answer's text or calls begin."""
-    item["status"] = "completed"
+    item["status"] = status
     item["content"] = [_reasoning_part(said)]
     item["encrypted_content"] = sealed(said)
     done = "response.reasoning_text.done"

@@ -46,6 +46,45 @@ async def test_max_output_tokens_that_cut_the_answer_make_it_incomplete(oai):
     assert response.usage.output_tokens == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_item_max_output_tokens_cut_is_incomplete(oai, stream):
+    """A call cut mid-arguments says so: a client must not run ``{"service": "che``."""
+    ask = {"model": MODEL, "input": ASK, "tools": [TOOL], "max_output_tokens": 4}
+    if stream:  # the SDK's get_final_response wants response.completed: the last event's
+        async with oai.responses.stream(**ask) as events:
+            response = [e async for e in events][-1].response
+    else:
+        response = await oai.responses.create(**ask)
+    (call,) = response.output
+    assert response.status == call.status == "incomplete"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.arguments)
+
+
+async def test_a_text_setting_without_a_format_echoes_the_default_format(oai):
+    response = await oai.responses.create(
+        model=MODEL, input="Hello", text={"verbosity": "low"}, max_output_tokens=2
+    )
+    assert response.text.format.type == "text" and response.text.verbosity == "low"
+
+
+async def test_parallel_calls_stream_one_item_after_the_other(oai):
+    ticket = {"type": "function", "name": "open_ticket", "parameters": STATUS_SCHEMA}
+    ask = "Check the service status and open a ticket"
+    async with oai.responses.stream(model=MODEL, input=ask, tools=[TOOL, ticket]) as stream:
+        told = [
+            (e.type, e.output_index)
+            async for e in stream
+            if e.type.startswith("response.output_item.")
+            or e.type.startswith("response.function_call_arguments.")
+        ]
+        final = await stream.get_final_response()
+    first, second = [i for i, kind in enumerate(told) if kind[0] == "response.output_item.added"]
+    assert {index for _, index in told[first:second]} == {0}  # item 0 done before 1 opens
+    assert told[second - 1] == ("response.output_item.done", 0)
+    assert [c.status for c in final.output] == ["completed", "completed"]
+
+
 async def test_a_stream_is_the_event_sequence_the_client_assembles(oai):
     async with oai.responses.stream(model=MODEL, input="Hello", max_output_tokens=8) as stream:
         kinds = [event.type async for event in stream]
