@@ -153,7 +153,14 @@ def parse_request(raw: bytes, model: RequestModel) -> tuple[dict, _SamplingReque
     Raises a 400 ``ForgeError`` that names the offending field.
     """
     body = load_object(raw)
+    for name in _NULL_IS_DEFAULT:
+        if name in body and body[name] is None:
+            del body[name]  # OpenAI's API takes null for its default; not every backend does
     return body, validate(body, model)
+
+
+# The fields OpenAI's API takes as null that the models here hold to their default's type.
+_NULL_IS_DEFAULT = ("stream", "n")
 
 
 def load_object(raw: bytes) -> dict:

@@ -216,7 +216,7 @@ class ResponsesDialect:
 
     async def _json(self, turn: Turn, status: int, body: dict) -> tuple[int, dict]:
         if status != 200 or not body.get("choices"):
-            return status, body  # OpenAI's error shape is the Responses API's too
+            return status, _in_responses_terms(body)  # OpenAI's error shape is this API's too
         text, calls, finish = chat_message(body["choices"][0])
         reasoning = reasoning_of(body["choices"][0].get("message") or {})
         output = ([reasoning_item(reasoning, "completed")] if reasoning else []) + (
@@ -372,6 +372,28 @@ class ResponsesDialect:
         if record is None or not isinstance(record.get("response"), dict):
             raise _no_response(response_id)
         return Response(orjson.dumps(record["response"]), media_type=_JSON)
+
+
+# Chat's names of the fields an error may name, as the Responses API calls them.
+_FIELD_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+}
+
+
+def _in_responses_terms(body: dict) -> dict:
+    """An error about the translated body, naming the client's field (``max_output_tokens``,
+    not the chat body's ``max_tokens`` that vLLM or the budget refused)."""
+    error = body.get("error")
+    param = error.get("param") if isinstance(error, dict) else None
+    named = _FIELD_NAMES.get(param) if isinstance(param, str) else None
+    if named is None:
+        return body
+    message = error.get("message")
+    if isinstance(message, str):
+        message = message.replace(f"{param}=", f"{named}=").replace(f"'{param}'", f"'{named}'")
+    return {**body, "error": {**error, "param": named, "message": message}}
 
 
 class _Events:

@@ -134,6 +134,8 @@ class SimulatedEngine(Engine):
             raise errors.invalid_request(
                 f"'{field}' is missing or malformed.", param=field
             ) from None
+        if not ids:  # vLLM's words for an empty prompt: nothing to do with the context
+            raise errors.invalid_request("The decoder prompt cannot be empty", param=field)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         max_tokens = max_tokens or self.default_max_tokens
         limit = self.config.max_model_len

@@ -61,6 +61,14 @@ async def test_the_item_max_output_tokens_cut_is_incomplete(oai, stream):
         json.loads(call.arguments)
 
 
+async def test_an_error_names_the_field_as_the_client_wrote_it(oai):
+    """vLLM refuses the chat body's max_tokens; the client sent max_output_tokens."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        await oai.responses.create(model=MODEL, input="Hello", max_output_tokens=1_000_000)
+    assert refused.value.body["param"] == "max_output_tokens"
+    assert "max_output_tokens=1000000" in refused.value.body["message"]
+
+
 async def test_a_text_setting_without_a_format_echoes_the_default_format(oai):
     response = await oai.responses.create(
         model=MODEL, input="Hello", text={"verbosity": "low"}, max_output_tokens=2

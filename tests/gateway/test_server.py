@@ -130,6 +130,21 @@ async def test_streaming_chat_through_the_openai_client(client: openai.AsyncOpen
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 5
 
 
+async def test_null_for_a_default_is_the_default_as_openai_takes_it(client: openai.AsyncOpenAI):
+    """OpenAI's API takes null for stream and n (its SDKs send it when told None)."""
+    completion = await client.chat.completions.create(**ask(max_tokens=2), stream=None, n=None)
+    assert completion.choices[0].message.content
+    legacy = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=None)
+    assert legacy.choices[0].text
+
+
+async def test_an_empty_prompt_is_refused_as_vllm_refuses_it(client: openai.AsyncOpenAI):
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model=MODEL, prompt="", max_tokens=2)
+    assert refused.value.body["param"] == "prompt"
+    assert refused.value.body["code"] != "context_length_exceeded"  # no window was exceeded
+
+
 async def test_models_lists_the_pool_and_the_fallback(client: openai.AsyncOpenAI):
     models = [m.id async for m in client.models.list()]
     assert models == [MODEL, "mock-gemini"]
