@@ -430,6 +430,8 @@ def chat_messages(message: dict, param: str) -> list[dict]:
             )
         elif kind == "image" and role == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
+        elif kind == "document" and role == "user":
+            parts.append({"type": "text", "text": _document_text(block, where)})
         elif kind == "tool_use" and role == "assistant":
             calls.append(
                 {
@@ -461,8 +463,8 @@ def chat_messages(message: dict, param: str) -> list[dict]:
         else:
             raise errors.invalid_request(
                 f"Content blocks of type '{kind}' are not supported in a {role} message by this "
-                "gateway: it serves text, image (user), tool_use (assistant) and tool_result "
-                "(user).",
+                "gateway: it serves text, image and document (user), tool_use (assistant) and "
+                "tool_result (user).",
                 param=f"{where}.type",
                 code="unsupported_parameter",
             )
@@ -520,14 +522,46 @@ def _tool_result(content: object, where: str) -> tuple[str, list[dict]]:
         elif kind == "image":
             url = _image_url(part, f"{where}.content.{k}")
             images.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "document":
+            texts.append(_document_text(part, f"{where}.content.{k}"))
         else:
             raise errors.invalid_request(
                 f"Content blocks of type '{kind}' are not supported in a tool_result by this "
-                "gateway: it serves text and image.",
+                "gateway: it serves text, image and document.",
                 param=f"{where}.content.{k}.type",
                 code="unsupported_parameter",
             )
     return "\n".join(texts), images
+
+
+def _document_text(block: dict, where: str) -> str:
+    """A document a model here can read, as text: a plain-text source, or a content source
+    (a string, or text blocks), after its title and context. A PDF (base64 or URL) or a file
+    needs Anthropic's own reader: a 400, never dropped. Citations are not made."""
+    source = block.get("source")
+    source = source if isinstance(source, dict) else {}
+    kind = source.get("type")
+    if kind == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif kind == "content" and isinstance(source.get("content"), str):
+        text = source["content"]
+    elif kind == "content" and isinstance(source.get("content"), list):
+        text, images = _tool_result(source["content"], f"{where}.source")
+        if images:  # a document's images have no place in the text it becomes
+            raise _unreadable_document(where, "content with images")
+    else:
+        raise _unreadable_document(where, kind)
+    said = [block.get(k) for k in ("title", "context")]
+    return "\n\n".join([*(t for t in said if isinstance(t, str) and t), text])
+
+
+def _unreadable_document(where: str, kind: object) -> errors.ForgeError:
+    return errors.invalid_request(
+        f"Documents of source type '{kind}' are not supported by this gateway: it reads text "
+        "and content sources (a PDF needs Anthropic's own reader).",
+        param=f"{where}.source",
+        code="unsupported_parameter",
+    )
 
 
 def _thinking(config: dict | None) -> str:

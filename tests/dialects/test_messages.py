@@ -238,12 +238,43 @@ async def test_a_tool_results_images_reach_the_model(claude):
     assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == (
         pictured.input_tokens
     )
-    document = {"type": "document", "source": {"type": "text", "data": "x", "media_type": "t"}}
+    unknown = {"type": "search_result", "source": "s", "title": "t", "content": []}
     with pytest.raises(anthropic.BadRequestError) as refused:
         await claude.messages.create(
-            model=MODEL, max_tokens=8, messages=result(text, document), tools=[TOOL]
+            model=MODEL, max_tokens=8, messages=result(text, unknown), tools=[TOOL]
         )
     assert "messages.2.content.0.content.1.type" in refused.value.message
+
+
+async def test_a_text_document_is_read_and_a_pdf_refused(claude):
+    """A document the model here can read becomes text (title and context first), in a
+    message or a tool result; a PDF needs Anthropic's reader: a 400 naming it, never dropped."""
+    words = " ".join(f"w{i}" for i in range(50))
+    plain = {"type": "text", "media_type": "text/plain", "data": words}
+    blocks = [{"type": "text", "text": s} for s in (words, "more")]
+    ask = [{"type": "text", "text": "Summarise"}]
+
+    async def counted(*content: dict) -> int:
+        turn = [{"role": "user", "content": [*ask, *content]}]
+        return (await claude.messages.count_tokens(model=MODEL, messages=turn)).input_tokens
+
+    alone = await counted()
+    as_text = await counted({"type": "document", "source": plain})
+    titled = await counted({"type": "document", "source": plain, "title": "Minutes"})
+    as_blocks = await counted(
+        {"type": "document", "source": {"type": "content", "content": blocks}}
+    )
+    assert as_text >= alone + 50 and titled > as_text and as_blocks > as_text
+    answer = await claude.messages.create(
+        model=MODEL,
+        max_tokens=4,
+        messages=[{"role": "user", "content": [*ask, {"type": "document", "source": plain}]}],
+    )
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == as_text
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await counted({"type": "document", "source": pdf})
+    assert "messages.0.content.1.source" in refused.value.message
 
 
 async def test_structured_outputs_parse_into_the_clients_model(claude):
