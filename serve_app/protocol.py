@@ -191,6 +191,13 @@ def validate(body: dict, model: type[M]) -> M:
             code = "invalid_value"
         if param == "n":
             message = "Only n=1 is supported."
+        elif param is not None and param.split(".")[0] == "prompt" and model is CompletionRequest:
+            # Not pydantic's "valid string" for a batch of prompts (LangChain's OpenAI LLM
+            # sends its batches so) or token ids: what is taken, and what to do instead.
+            message = (
+                "Invalid value for 'prompt': this gateway takes one text prompt per request "
+                "(a string, or a list of one string); send each prompt in its own request."
+            )
         raise errors.invalid_request(message, param=param, code=code) from None
 
 

@@ -175,10 +175,13 @@ def test_completion_prompt_string_and_list_of_one():
     assert raw["prompt"] == ["abc"]
 
 
-@pytest.mark.parametrize("prompt", [[], ["a", "b"]])
+@pytest.mark.parametrize("prompt", [[], ["a", "b"], [1, 2], [[1, 2]]])
 def test_completion_prompt_list_must_hold_one_string(prompt):
+    """A batch (LangChain's OpenAI LLM sends its batches so) or token ids: the 400 says what
+    is taken and what to do instead, not pydantic's "should be a valid string"."""
     err = rejected(orjson.dumps({"model": "m", "prompt": prompt}), CompletionRequest)
     assert err.param == "prompt"
+    assert "one text prompt per request" in err.message and "valid string" not in err.message
 
 
 def test_completion_missing_prompt():

@@ -253,7 +253,9 @@ class ResponsesDialect:
         thought: dict | None = None  # the reasoning item, while it is open
         reasoning: list[str] = []  # all of the answer's reasoning
         message: dict | None = None  # the text item, while it is open
-        text: list[str] = []  # all of the answer's text; message_text: the open item's
+        text: list[str] = []  # all of the answer's text
+        message_text: list[str] = []  # the open text item's
+        reasoning_start = 0  # where the open reasoning item's text starts in ``reasoning``
         calls = ToolCallDeltas()
         namespaces = tool_namespaces(turn.request.tools)
         items: dict[int, tuple[int, dict]] = {}  # id() of a gathered call → (index, its item)
@@ -265,6 +267,15 @@ class ResponsesDialect:
                 continue
             if kind == "error":
                 error = failed_error(payload)
+                # What was said before the failure stays in the output, cut off where it was.
+                if message is not None:
+                    message["content"] = [_text_part("".join(message_text))]
+                if thought is not None:
+                    said = "".join(reasoning[reasoning_start:])
+                    thought["content"] = [_reasoning_part(said)]
+                for item in output:
+                    if item.get("status") == "in_progress":
+                        item["status"] = "incomplete"
                 yield events(
                     "response.failed",
                     response=turn.response("failed", output, usage, error=error),

@@ -347,6 +347,10 @@ async def test_a_stream_that_breaks_after_its_first_byte_ends_as_response_failed
     # A code the SDK's type knows; the gateway's own is the error's type.
     error = seen[-1].response.error
     assert error.code == "server_error" and error.type and error.message
+    # What the client was already told stays in the failed response's output.
+    said = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    (message,) = seen[-1].response.output
+    assert said and message.content[0].text == said and message.status == "incomplete"
 
 
 async def test_the_agents_sdk_runs_a_tool_using_agent_to_its_final_output(
