@@ -20,6 +20,7 @@ from serve_app.backends.credentials import Credentials, credentials_for
 from serve_app.backends.gemini_compat import ToolCallIndexes, signed
 from serve_app.config.models import FallbackConfig
 from serve_app.engines.base import Kind
+from serve_app.engines.truncation import TRUNCATE_KEY
 from serve_app.protocol import REASONING_FIELDS
 from serve_app.tracing import carrier
 
@@ -62,6 +63,7 @@ class FallbackBackend:
         if accepted is not None:
             body = {k: v for k, v in body.items() if k in accepted}
         upstream = {**body, "model": self.config.model, "stream": stream}
+        upstream.pop(TRUNCATE_KEY, None)  # the gateway's word to its replicas, for no one else
         if isinstance(body.get("messages"), list):
             upstream["messages"] = messages = _without_reasoning(body["messages"])
             if self.config.fill_thought_signatures:

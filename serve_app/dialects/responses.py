@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -48,6 +48,7 @@ from serve_app.dialects.base import (
     thinking_switch,
 )
 from serve_app.dialects.stored import StoredResponses
+from serve_app.engines.truncation import TRUNCATE_KEY
 from serve_app.pipeline import RequestContext
 
 _JSON = "application/json"
@@ -79,6 +80,7 @@ class ResponsesRequest(BaseModel):
     text: dict | None = None
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 @dataclass(slots=True)
@@ -121,7 +123,7 @@ class Turn:
             "tool_choice": self.body.get("tool_choice", "auto"),
             "tools": self.body.get("tools") or [],
             "top_p": req.top_p if req.top_p is not None else 1.0,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "reasoning": _echoed_reasoning(self.body.get("reasoning")),
             "usage": usage,
             "user": req.user,
@@ -197,6 +199,8 @@ class ResponsesDialect:
             # An effort asks for reasoning, "none" for none: the switch a reasoning model's
             # template reads (a template without one ignores it).
             chat["chat_template_kwargs"] = thinking_switch(effort != "none")
+        if req.truncation == "auto":  # the replica drops the oldest turns that do not fit
+            chat[TRUNCATE_KEY] = "auto"
         seed = body.get("seed")  # not OpenAI's: sampling made repeatable, as on chat
         if isinstance(seed, int) and not isinstance(seed, bool):
             chat["seed"] = seed

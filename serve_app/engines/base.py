@@ -153,6 +153,16 @@ class Engine(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    # The longest prompt plus answer the model takes (vLLM's max_model_len), and the answer's
+    # length for a request that names none: what ``truncation.py`` fits a conversation to.
+    context_window: int
+    default_max_tokens: int
+
+    async def count_prompt(self, body: dict) -> int:
+        """A chat body's prompt in tokens, as this engine counts it: its model's tokenizer and
+        chat template, tools included."""
+        raise NotImplementedError
+
     # Usage of aborted streams (see ``AbandonedUsage``); an engine records into it on abort.
     abandoned: AbandonedUsage
 

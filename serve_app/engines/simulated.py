@@ -77,6 +77,13 @@ class SimulatedEngine(Engine):
     async def start(self) -> None:
         """Nothing to load: the scheduler loop starts with the first request."""
 
+    @property
+    def context_window(self) -> int:
+        return self.config.max_model_len
+
+    async def count_prompt(self, body: dict) -> int:
+        return len(tokenizer.encode(prompt_text(body, "chat")))
+
     def _generate(self, body: dict, kind: Kind, request_id: str):
         """Validate like vLLM (400 for what can never fit) and start the token stream, shaped
         by ``stop`` and ``response_format`` (``output_rules.py``); with the flag a stop string

@@ -89,6 +89,7 @@ class VLLMEngine(Engine):
         engine_args = AsyncEngineArgs.from_cli_args(self._args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.context_window = vllm_config.model_config.max_model_len
         self.block_size = vllm_config.cache_config.block_size
         self._hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
         self._load.max_loras = config.max_loras if adapters else 0
@@ -110,6 +111,7 @@ class VLLMEngine(Engine):
         self._chat = None
         self._completion = None
         self._embedding = None
+        self._tokenization = None
         self._started = False
 
     def _stat_loggers(self) -> list:
@@ -154,7 +156,31 @@ class VLLMEngine(Engine):
         self._chat = getattr(state, "openai_serving_chat", None)
         self._completion = getattr(state, "openai_serving_completion", None)
         self._embedding = getattr(state, "serving_embedding", None)
+        self._tokenization = getattr(state, "serving_tokenization", None)  # vLLM's /tokenize
         self._started = True
+
+    async def count_prompt(self, body: dict) -> int:
+        """The prompt as vLLM renders it for ``body`` (its template, tools, prefill, the
+        template's arguments), counted by vLLM's own ``/tokenize``."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+
+        await self.start()
+        adapter = request_adapter(body)
+        fields = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt")
+        payload = {k: body[k] for k in fields if body.get(k) is not None}
+        payload["model"] = adapter_model(self.model, adapter)
+        if body.get("continue_final_message") is True:
+            payload["continue_final_message"] = True
+        try:
+            request = TokenizeChatRequest.model_validate(payload)
+        except ValidationError as exc:
+            raise errors.invalid_request(_first_error(exc)) from None
+        result = await self._tokenization.create_tokenize(request, raw_request=None)
+        error = getattr(result, "error", None)  # vLLM's ErrorResponse: the request's fault
+        if error is not None:
+            raise _forge_error(error.code, error.message, error.param)
+        return result.count
 
     # -- requests ------------------------------------------------------------------------------
 

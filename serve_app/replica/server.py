@@ -32,6 +32,7 @@ from serve_app import errors
 from serve_app.backends.pool import as_forge_error
 from serve_app.config.models import PoolConfig, TracingConfig
 from serve_app.engines.base import Engine, Kind, Usage
+from serve_app.engines.truncation import TRUNCATE_KEY, fit_conversation
 from serve_app.kvcache.curve import curve_keys
 from serve_app.kvcache.events import KvEventPublisher
 from serve_app.replica.autoscaling import OPEN_FEEDS
@@ -148,6 +149,16 @@ class Replica:
                 self.kv_events.start()
             self._started = True
 
+    async def _fitted(self, body: dict) -> dict:
+        """``body`` as the engine is to serve it: a conversation the gateway asked to have
+        truncated fitted to the engine's window (``engines/truncation.py``)."""
+        if TRUNCATE_KEY not in body:
+            return body
+        engine = self.engine
+        return await fit_conversation(
+            body, engine.context_window, engine.default_max_tokens, engine.count_prompt
+        )
+
     async def stream(
         self,
         body: dict,
@@ -193,6 +204,7 @@ class Replica:
             with self._span(trace_context, request_id) as span:
                 await self._ensure_started()
                 await self.faults.before_first_frame()
+                body = await self._fitted(body)
                 generation = _Generation(
                     request_id, self.engine.stream(body, kind, request_id), self.engine.abandoned
                 )
@@ -308,6 +320,7 @@ class Replica:
         with self._span(trace_context, request_id) as span:
             await self._ensure_started()
             await self.faults.before_first_frame()
+            body = await self._fitted(body)
             # A task of its own, so the gateway's ``abandoned_usage`` can end it at once (as it
             # ends a stream) rather than wait for Serve's cancellation; the engine records
             # what an ended generation cost. Cancelling this call cancels the task too.

@@ -14,6 +14,7 @@ from serve_app import errors, protocol
 from serve_app.adapters import ADAPTER_KEY, split_adapter_model
 from serve_app.config.models import GatewayConfig
 from serve_app.dialects.base import Dialect
+from serve_app.engines.truncation import TRUNCATE_KEY
 from serve_app.pipeline import Handler, RequestContext
 from serve_app.traffic.policy import VARIANT_HEADER, Target, TrafficPolicy, place
 
@@ -65,6 +66,8 @@ class ParseStage:
             )
         model = ctx.parsed.model
         ctx.body.pop(ADAPTER_KEY, None)  # only the gateway says which adapter serves it
+        if ctx.dialect is None:  # and which conversation is truncated (``engines/truncation``)
+            ctx.body.pop(TRUNCATE_KEY, None)
         task = self.tasks.get(model)  # unknown models are dispatch's 404
         if task is None:
             self._unknown_adapter(ctx, model)
@@ -83,7 +86,12 @@ class ParseStage:
             ctx.target = self._with_adapter(ctx, target)
             return await call_next(ctx)
         try:
-            placed = place(target, ctx.counted_prompt(), ctx.parsed.output_limit())
+            placed = place(
+                target,
+                ctx.counted_prompt(),
+                ctx.parsed.output_limit(),
+                truncated=TRUNCATE_KEY in ctx.body,
+            )
             ctx.target = self._with_adapter(ctx, placed)
             response = await call_next(ctx)
         except errors.ForgeError as err:  # the variant's own errors say which it was

@@ -238,17 +238,22 @@ def _cumulative(entry: _Entry, aborted: Collection[tuple[str, str]]) -> list[tup
     return bounds
 
 
-def place(target: Target, prompt_tokens: int, max_tokens: int | None) -> Target:
+def place(
+    target: Target, prompt_tokens: int, max_tokens: int | None, *, truncated: bool = False
+) -> Target:
     """The step a request of this length starts on: the first whose context window takes
     prompt and completion (past the first, only a step taken on ``context_length``); steps too
     small are left out of its retries too. Where no step takes both, the first that takes the
-    prompt, whose engine cuts the answer to what its window leaves (as vLLM does). A 400 when
-    no step takes the prompt."""
+    prompt, whose engine cuts the answer to what its window leaves (as vLLM does). Where none
+    takes the prompt, a 400; or, for a conversation its replica may truncate
+    (``engines/truncation.py``), the route's first step, as if it fit."""
     if all(step.context is None for step in target.steps):
         return target
     placed = _placed(target, lambda step: prompt_tokens + (max_tokens or step.default_max_tokens))
     if placed is None:
         placed = _placed(target, lambda step: prompt_tokens + 1)
+    if placed is None and truncated:
+        placed = _placed(target, lambda step: 1)
     if placed is None:
         needed = prompt_tokens + (max_tokens or target.steps[0].default_max_tokens)
         largest = max(step.context or 0 for step in target.steps)

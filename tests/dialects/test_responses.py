@@ -10,8 +10,11 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from serve_app.config.models import load_config
 from serve_app.gateway.server import Gateway
+from serve_app.local import build_local_gateway
 from tests.dialects.conftest import ASK, OTHER_KEY, STATUS_SCHEMA, http, openai_client
+from tests.gateway import test_server
 from tests.gateway.test_server import CAPPED_KEY, KEY, MODEL
 
 TOOL = {"type": "function", "name": "get_service_status", "parameters": STATUS_SCHEMA}
@@ -383,3 +386,37 @@ async def test_the_agents_sdk_runs_a_tool_using_agent_to_its_final_output(
         "MessageOutputItem",
     ]
     assert streamed.final_output and "raw_response_event" in kinds
+
+
+async def test_truncation_auto_drops_the_oldest_turns_instead_of_a_400(monkeypatch):
+    """A conversation past the pool's window: a 400 by default, as OpenAI's API answers it;
+    with ``truncation: "auto"`` served from its latest turns, and echoed as asked."""
+    args = test_server.forge_args()
+    args["gateway"] = {"max_body_bytes": 1 << 20}
+    args["pools"][0]["engine"] = {**test_server.FAST, "max_model_len": 512}
+    monkeypatch.setenv(test_server.KEY_ENV, test_server.UPSTREAM_KEY)
+    gateway = build_local_gateway(load_config(args), fallback_transport=test_server.upstream())
+    words = " ".join(f"w{i}" for i in range(60))
+    items = [
+        {"role": role, "content": f"{role} {n} {words}"}
+        for n in range(12)
+        for role in ("user", "assistant")
+    ] + [{"role": "user", "content": "And now?"}]
+    async with gateway.lifespan(), openai_client(gateway) as oai:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await oai.responses.create(model=MODEL, input=items, max_output_tokens=8)
+        fitted = await oai.responses.create(
+            model=MODEL, input=items, max_output_tokens=8, truncation="auto"
+        )
+        follow = await oai.responses.create(
+            model=MODEL,
+            input="More?",
+            previous_response_id=fitted.id,
+            max_output_tokens=8,
+            truncation="auto",
+        )
+    assert refused.value.body["code"] == "context_length_exceeded"
+    assert refused.value.body["param"] == "input"
+    assert fitted.status in ("completed", "incomplete") and fitted.truncation == "auto"
+    assert fitted.usage.input_tokens <= 512 - 8 < 12 * 2 * 60
+    assert follow.usage.input_tokens <= 512 - 8 and follow.output_text

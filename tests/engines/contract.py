@@ -24,6 +24,7 @@ import orjson
 import pytest
 
 from serve_app.engines.base import Engine, EngineStats, Kind, Usage
+from serve_app.engines.truncation import TRUNCATE_KEY, fit_conversation
 from serve_app.errors import ForgeError
 from tests.polling import eventually_async
 
@@ -249,6 +250,40 @@ class EngineContract:
         body = request_body(spec, kind, stream=streamed)
         usage, _ = await run_once(engine, body, kind, "req-count", streamed)
         assert usage.prompt_tokens == spec.count_prompt_tokens(body, kind)
+
+    async def test_count_prompt_is_the_prompt_a_chat_request_is_charged(self, engine, spec):
+        """What ``truncation: "auto"`` fits a conversation by (``engines/truncation.py``)."""
+        assert engine.context_window == spec.max_model_len
+        assert engine.default_max_tokens == spec.default_max_tokens
+        body = request_body(spec, "chat", stream=False)
+        body["messages"] = [
+            {"role": "system", "content": "Be brief."},
+            *body["messages"],
+            {"role": "assistant", "content": "One moment."},
+            {"role": "user", "content": "And the other one?"},
+        ]
+        usage, _ = await run_once(engine, body, "chat", "req-counted", streamed=False)
+        assert await engine.count_prompt(body) == usage.prompt_tokens
+
+    async def test_a_conversation_too_long_is_served_once_fitted_to_the_window(self, engine, spec):
+        words = " ".join(["word"] * (spec.max_model_len // 6))
+        turns = [
+            {"role": role, "content": f"{role} {n}: {words}"}
+            for n in range(8)
+            for role in ("user", "assistant")
+        ]
+        body = request_body(spec, "chat", stream=True, max_tokens=4)
+        body["messages"] = [*turns, {"role": "user", "content": "So?"}]
+        assert await engine.count_prompt(body) > spec.max_model_len  # refused as it is
+        fitted = await fit_conversation(
+            {**body, TRUNCATE_KEY: "auto"},
+            engine.context_window,
+            engine.default_max_tokens,
+            engine.count_prompt,
+        )
+        usage, _ = await run_once(engine, fitted, "chat", "req-fitted", streamed=True)
+        assert usage.prompt_tokens <= spec.max_model_len - 4
+        assert fitted["messages"][-1] == {"role": "user", "content": "So?"}
 
     @pytest.mark.parametrize("kind", KINDS)
     async def test_stream_and_complete_count_the_same(self, engine, spec, kind):

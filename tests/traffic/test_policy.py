@@ -152,6 +152,8 @@ def test_a_prompt_that_fits_with_an_answer_that_does_not_is_placed_to_be_cut():
     assert place(target, window - 10, 100) is target
     with pytest.raises(errors.ForgeError):
         place(target, window, 100)  # the prompt alone fills it
+    # A conversation its replica may truncate goes to the pool, as if it fit.
+    assert place(target, window * 2, 100, truncated=True) is target
 
 
 @pytest.mark.parametrize(
