@@ -35,7 +35,7 @@ from serve_app.auth.throttle import FailedAuthThrottle
 from serve_app.backends.base import Backend
 from serve_app.config.models import AdmissionConfig, ForgeConfig, PoolConfig
 from serve_app.dialects import Dialect, MessagesDialect, ResponsesDialect, StoredResponses
-from serve_app.dialects.messages import count_tokens
+from serve_app.dialects.base import count_tokens
 from serve_app.metering.book import UsageBook
 from serve_app.metering.ledger import UsageLedger, build_book
 from serve_app.metrics import ForgeMetrics
@@ -151,7 +151,8 @@ class Pipeline:
     stages: tuple[Stage, ...]  # the inference stages, in order (for docs, tests and traces)
     dialects: Mapping[str, Dialect]  # "responses", "messages": they answer in their own shape
     stored_response: Handler  # GET and DELETE /v1/responses/{id}
-    count_tokens: Handler  # /v1/messages/count_tokens: the body read and translated, counted
+    # /v1/messages/count_tokens, /v1/responses/input_tokens: the body read, translated, counted
+    count_tokens: Handler
 
     def stage(self, kind: type[S]) -> S:
         """The one stage of type ``kind``: found by what it is, never by where it sits."""

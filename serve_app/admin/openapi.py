@@ -48,6 +48,11 @@ class TokenCount(BaseModel):
     input_tokens: int
 
 
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class ResponseDeleted(BaseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"
@@ -101,6 +106,7 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
         Readiness,
         AnthropicError,
         TokenCount,
+        InputTokens,
         ResponseDeleted,
     ):
         add_component(models, model, mode="serialization")
@@ -185,6 +191,24 @@ def with_inference_routes(schema: dict[str, Any]) -> dict[str, Any]:
             "responses": {
                 "200": _json_ref("The input tokens", TokenCount),
                 **{k: anthropic_failures[k] for k in ("400", "401", "404", "413")},
+            },
+        }
+    }
+    paths["/v1/responses/input_tokens"] = {
+        "post": {
+            "tags": ["inference"],
+            "summary": "Count a response's input tokens (the gateway's count, as budgets use)",
+            "operationId": "count_response_input_tokens",
+            "security": security,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": add_component(models, ResponsesRequest)}
+                },
+            },
+            "responses": {
+                "200": _json_ref("The input tokens", InputTokens),
+                **{k: failures[k] for k in ("400", "401", "404", "413")},
             },
         }
     }

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import orjson
 from starlette.responses import Response, StreamingResponse
 
-from serve_app import errors, sse
+from serve_app import errors, protocol, sse
 from serve_app.pipeline import RequestContext
 from serve_app.protocol import REASONING_FIELDS
 
@@ -35,6 +35,16 @@ class Dialect(Protocol):
     async def answer(self, ctx: RequestContext, response: Response) -> Response:
         """The pipeline's ``response`` in this dialect's shape."""
         ...
+
+
+async def count_tokens(ctx: RequestContext) -> Response:
+    """``/v1/messages/count_tokens`` and ``/v1/responses/input_tokens``: the gateway's count of
+    the translated prompt, the one its budgets reserve (the engine's own tokenizer may differ
+    by a few tokens), as ``{"input_tokens": n}``; each dialect answers it in its shape."""
+    if not ctx.model_served:  # parse leaves an unknown model to dispatch, which counting skips
+        raise errors.model_not_found(ctx.model_name)
+    tokens = protocol.count_prompt_tokens(ctx.body or {}, "chat")
+    return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json")
 
 
 async def rewrite(

@@ -37,7 +37,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -385,15 +384,6 @@ def anthropic_error(status: int, error: dict, request_id: str) -> dict:
         "error": {"type": kind, "message": message},
         "request_id": request_id or None,
     }
-
-
-async def count_tokens(ctx: RequestContext) -> Response:
-    """``/v1/messages/count_tokens``: the gateway's count of the translated prompt, the one its
-    budgets reserve (the engine's own tokenizer may differ by a few tokens)."""
-    if not ctx.model_served:  # parse leaves an unknown model to dispatch, which counting skips
-        raise errors.model_not_found(ctx.model_name)
-    tokens = protocol.count_prompt_tokens(ctx.body or {}, "chat")
-    return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json")
 
 
 # -- the request's parts, translated ----------------------------------------------------------

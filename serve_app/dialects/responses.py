@@ -212,6 +212,8 @@ class ResponsesDialect:
         turn: Turn | None = ctx.turn
         if turn is None:  # refused before the body was read (a 401, a 413): OpenAI's shape
             return response
+        if ctx.api == "input_tokens":
+            return await rewrite(response, _counted, lambda chunks: chunks)
         return await rewrite(
             response,
             lambda status, body: self._json(turn, status, body),
@@ -387,6 +389,13 @@ class ResponsesDialect:
         if record is None or not isinstance(record.get("response"), dict):
             raise _no_response(response_id)
         return Response(orjson.dumps(record["response"]), media_type=_JSON)
+
+
+async def _counted(status: int, body: dict) -> tuple[int, dict]:
+    """``/v1/responses/input_tokens``'s answer, as OpenAI's API shapes it."""
+    if status != 200:
+        return status, _in_responses_terms(body)
+    return status, {"object": "response.input_tokens", **body}
 
 
 # Chat's names of the fields an error may name, as the Responses API calls them.

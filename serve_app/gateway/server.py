@@ -189,6 +189,7 @@ class Gateway:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/responses/input_tokens", self.input_tokens, methods=["POST"]),
                 Route(
                     "/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]
                 ),
@@ -248,6 +249,11 @@ class Gateway:
         ctx = RequestContext(request, "chat", "count_tokens", "messages")
         pipeline = self.pipeline
         return await pipeline.dialects["messages"].answer(ctx, await pipeline.count_tokens(ctx))
+
+    async def input_tokens(self, request: Request) -> Response:
+        ctx = RequestContext(request, "chat", "input_tokens", "responses")
+        pipeline = self.pipeline
+        return await pipeline.dialects["responses"].answer(ctx, await pipeline.count_tokens(ctx))
 
     async def _spoken(self, ctx: RequestContext) -> Response:
         """A request in a dialect: through the whole pipeline as chat, answered in its API's

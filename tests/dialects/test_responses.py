@@ -72,6 +72,17 @@ async def test_an_error_names_the_field_as_the_client_wrote_it(oai):
     assert "max_output_tokens=1000000" in refused.value.body["message"]
 
 
+async def test_input_tokens_are_what_the_response_is_charged(oai):
+    """``client.responses.input_tokens.count``: the prompt a create with the same body reads."""
+    ask = {"model": MODEL, "input": ASK, "instructions": "Be brief.", "tools": [TOOL]}
+    counted = await oai.responses.input_tokens.count(**ask)
+    created = await oai.responses.create(**ask, max_output_tokens=4)
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == created.usage.input_tokens > 0
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.input_tokens.count(model="nope", input="x")
+
+
 async def test_a_text_setting_without_a_format_echoes_the_default_format(oai):
     response = await oai.responses.create(
         model=MODEL, input="Hello", text={"verbosity": "low"}, max_output_tokens=2

@@ -75,6 +75,7 @@ OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"),
     ("POST", "/v1/responses"),
+    ("POST", "/v1/responses/input_tokens"),
     ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"),
     ("POST", "/v1/messages"),
