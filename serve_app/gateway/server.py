@@ -240,6 +240,8 @@ class Gateway:
         return await self._spoken(RequestContext(request, "chat", "responses", "responses"))
 
     async def stored_response(self, request: Request) -> Response:
+        if request.path_params["response_id"] == "input_tokens":  # the count's path, not an id
+            raise HTTPException(405, headers={"Allow": "POST"})
         return await self.pipeline.stored_response(RequestContext(request, "responses"))
 
     async def messages(self, request: Request) -> Response:
