@@ -162,7 +162,6 @@ class VLLMEngine(Engine):
     async def count_prompt(self, body: dict) -> int:
         """The prompt as vLLM renders it for ``body`` (its template, tools, prefill, the
         template's arguments), counted by vLLM's own ``/tokenize``."""
-        from pydantic import ValidationError
         from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
 
         await self.start()
@@ -172,10 +171,7 @@ class VLLMEngine(Engine):
         payload["model"] = adapter_model(self.model, adapter)
         if body.get("continue_final_message") is True:
             payload["continue_final_message"] = True
-        try:
-            request = TokenizeChatRequest.model_validate(payload)
-        except ValidationError as exc:
-            raise errors.invalid_request(_first_error(exc)) from None
+        request = _validated(TokenizeChatRequest, payload)
         result = await self._tokenization.create_tokenize(request, raw_request=None)
         error = getattr(result, "error", None)  # vLLM's ErrorResponse: the request's fault
         if error is not None:
@@ -186,7 +182,6 @@ class VLLMEngine(Engine):
 
     def _request(self, body: dict, kind: Kind, request_id: str, stream: bool):
         """vLLM's request object for ``body`` and the vLLM request ids to abort it by."""
-        from pydantic import ValidationError
 
         if kind == "chat":
             from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -216,11 +211,7 @@ class VLLMEngine(Engine):
                 **(body.get("stream_options") or {}),
                 "include_usage": True,
             }
-        try:
-            request = request_class.model_validate(payload)
-        except ValidationError as exc:
-            raise errors.invalid_request(_first_error(exc)) from None
-        return request, _vllm_request_ids(kind, base_id, body)
+        return _validated(request_class, payload), _vllm_request_ids(kind, base_id, body)
 
     async def _serve(self, request, kind: Kind):
         """Run one request through vLLM's serving layer; its 4xx become Forge's 4xx."""
@@ -689,6 +680,22 @@ def _usage_of(usage: dict) -> Usage:
         completion_tokens=usage.get("completion_tokens") or 0,
         cached_tokens=details.get("cached_tokens") or 0,
     )
+
+
+def _validated(request_class: Any, payload: dict) -> Any:
+    """vLLM's request model of ``payload``; a 400 for what it refuses: a field's type (pydantic),
+    or a rule of its own (``check_tool_usage``, ``check_logprobs``: a ``VLLMClientError``,
+    which pydantic lets through and ``vllm serve`` maps to a 400 itself)."""
+    from pydantic import ValidationError
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        return request_class.model_validate(payload)
+    except ValidationError as exc:
+        raise errors.invalid_request(_first_error(exc)) from None
+    except VLLMClientError as exc:
+        message = exc.args[0] if exc.args else str(exc)
+        raise errors.invalid_request(message, param=getattr(exc, "parameter", None)) from None
 
 
 def _forge_error(status: int, message: str, param: str | None) -> Exception:
