@@ -175,7 +175,8 @@ class MessagesDialect:
             chat["tools"] = chat_tools(req.tools)
         if req.tool_choice is not None:
             choice, parallel = chat_tool_choice(req.tool_choice)
-            chat["tool_choice"] = choice
+            if "tools" in chat or choice not in ("auto", "none"):  # vLLM: no choice without tools
+                chat["tool_choice"] = choice
             if parallel is False:
                 chat["parallel_tool_calls"] = False
         return chat

@@ -185,7 +185,9 @@ class ResponsesDialect:
         if req.tools:
             chat["tools"] = chat_tools(req.tools)
         if req.tool_choice is not None:
-            chat["tool_choice"] = chat_tool_choice(req.tool_choice)
+            choice = chat_tool_choice(req.tool_choice)
+            if "tools" in chat or choice not in ("auto", "none"):  # vLLM: no choice without tools
+                chat["tool_choice"] = choice
         response_format = chat_response_format(req.text)
         if response_format is not None:
             chat["response_format"] = response_format
@@ -403,6 +405,7 @@ _FIELD_NAMES = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "messages": "input",
+    "reasoning_effort": "reasoning.effort",
 }
 
 

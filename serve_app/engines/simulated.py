@@ -30,6 +30,7 @@ from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
 from serve_app.engines.paced import paced_tokens
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
 from serve_app.engines.tool_calls import ToolCall, plan_tool_calls
+from serve_app.engines.vllm_checks import check_request
 from serve_app.kvcache.events import KvEventPublisher
 from serve_app.protocol import embedding_inputs, prompt_text
 
@@ -128,6 +129,7 @@ class SimulatedEngine(Engine):
         return adapter
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
+        check_request(body, kind)  # what vLLM's serving layer refuses, refused here too
         field = "messages" if kind == "chat" else "prompt"
         if body.get("continue_final_message") and body.get("add_generation_prompt", True):
             raise errors.invalid_request(  # vLLM's check, in its words

@@ -171,6 +171,16 @@ async def test_a_streamed_tool_round_trip(claude):
     assert answer.stop_reason in ("end_turn", "max_tokens")
 
 
+@pytest.mark.parametrize("choice", [{"type": "auto"}, {"type": "none"}])
+async def test_a_tool_choice_without_tools_is_served(claude, choice):
+    """vLLM refuses a tool_choice without tools; auto and none ask for nothing without them."""
+    ask = [{"role": "user", "content": "Hello"}]
+    message = await claude.messages.create(
+        model=MODEL, max_tokens=2, messages=ask, tool_choice=choice
+    )
+    assert message.content[0].text
+
+
 async def test_tool_choice_any_and_no_parallel_calls(claude):
     ticket = {"name": "open_ticket", "input_schema": {"type": "object", "properties": {}}}
     ask = [{"role": "user", "content": "Check the service status and open a ticket"}]

@@ -204,6 +204,15 @@ async def test_streamed_function_call_arguments_arrive_as_deltas(oai):
     assert json.loads(call.arguments) == {"service": "checkout"}
 
 
+@pytest.mark.parametrize("choice", ["auto", "none"])
+async def test_a_tool_choice_without_tools_is_served(oai, choice):
+    """vLLM refuses a tool_choice without tools; OpenAI's API takes auto and none without."""
+    response = await oai.responses.create(
+        model=MODEL, input="Hello", tool_choice=choice, max_output_tokens=2
+    )
+    assert response.output_text and response.tool_choice == choice
+
+
 async def test_parallel_calls_and_a_named_tool_choice(oai):
     ticket = {
         "type": "function",

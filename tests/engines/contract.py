@@ -54,6 +54,13 @@ class EngineSpec:
     poll_interval_s: float = 0.0  # 0: check again after one event-loop turn
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
 def request_body(
     spec: EngineSpec,
     kind: Kind,
@@ -378,6 +385,32 @@ class EngineContract:
         assert "messages" in caught.value.message
 
     # -- slots, abort and stats ----------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("fields", "named"),
+        [
+            ({"tools": "x"}, "tools"),
+            ({"tools": []}, "tools"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+            ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "function"),
+            ({"tools": [TOOL], "tool_choice": _named("other")}, "tool_choice"),
+            ({"response_format": {"type": "xml"}}, "response_format"),
+            ({"stop": 5}, "stop"),
+            ({"top_logprobs": 2}, "top_logprobs"),
+            ({"reasoning_effort": "ultra"}, "reasoning_effort"),
+        ],
+    )
+    async def test_what_vllm_refuses_is_a_400_naming_the_field(self, engine, spec, fields, named):
+        """The simulator refuses what vLLM's serving layer refuses: a mistake shows on the
+        laptop, not first on the cluster."""
+        body = request_body(spec, "chat", stream=False, **fields)
+        with pytest.raises(ForgeError) as caught:
+            await engine.complete(body, "chat", "req-refused")
+        assert caught.value.status == 400
+        assert named in f"{caught.value.param} {caught.value.message}"
+        ok = request_body(spec, "chat", stream=False, tools=[TOOL], tool_choice=_named("f"))
+        await engine.complete(ok, "chat", "req-named")  # the same fields, right, are served
 
     async def test_stats_are_engine_stats_and_idle_at_rest(self, engine, spec):
         await self.settled(spec, idle(engine), "idle")
