@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
-
-from serve_app.auth.keys import hash_key, new_key
 
 
 def _keys_new(args: argparse.Namespace) -> int:
+    from serve_app.auth.keys import hash_key, new_key
+
     key = new_key()
     digest = hash_key(key)
     print(f"API key for tenant {args.tenant} (shown once, store it now):\n  {key}\n")
@@ -28,6 +29,8 @@ def _keys_new(args: argparse.Namespace) -> int:
 
 
 def _keys_hash(args: argparse.Namespace) -> int:
+    from serve_app.auth.keys import hash_key
+
     key = sys.stdin.readline().strip()
     if not key:
         print("forge keys hash: read no key on standard input", file=sys.stderr)
@@ -37,7 +40,12 @@ def _keys_hash(args: argparse.Namespace) -> int:
 
 
 def _breakers(args: argparse.Namespace) -> int:
+    # Read when Ray's constants are first imported, so set before anything imports Ray (nothing
+    # at this module's top does): loopback, as the cluster itself runs here.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if not _answers(args.address):  # Ray's own connect retries for minutes
+        print(f"forge breakers: no Ray cluster answers at {args.address}", file=sys.stderr)
+        return 2
     import ray
 
     from serve_app.replica import admin as replica_admin
@@ -50,6 +58,19 @@ def _breakers(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def _answers(address: str) -> bool:
+    """Whether a GCS address written ``host:port`` takes a connection (``auto`` and URLs are
+    Ray's to find)."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError:
+        return False
+    return True
 
 
 def _config_check(args: argparse.Namespace) -> int:

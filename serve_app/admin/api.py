@@ -105,6 +105,9 @@ class BreakerView(BaseModel):
     transitions: int
     probes: int
     probes_per_half_open: list[int]
+    adopted: bool = Field(
+        False, description="Taken on open from a gateway's copy by a new board (a restart)."
+    )
 
 
 class FaultRequest(BaseModel):
@@ -137,6 +140,9 @@ class AdmissionStatus(BaseModel):
     parked: int = Field(description="Slots gateways hold warm for their next request.")
     queued: dict[str, int] = Field(description="Requests waiting for a slot, by tenant.")
     inflight: dict[str, int] = Field(description="Slots serving a request, by tenant.")
+    adopted_leases: int = Field(
+        0, description="Leases a new scheduler took on from the gateways' reports (a restart)."
+    )
 
 
 class PoolStatus(BaseModel):
@@ -207,6 +213,8 @@ class GatewayStatus(BaseModel):
 
 
 class BreakerReset(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key must not mean "every breaker"
+
     backend: str | None = Field(
         None, description="primary, primary/<replica> or fallback; absent: every breaker."
     )
@@ -273,6 +281,7 @@ def build_admin_api(
     name → its control, for fault injection; ``status``: what ``/admin/status`` shows;
     ``auth_throttle``: the inference routes' own, so wrong keys count the same everywhere."""
     tenants = {t.name: t for t in config.tenants}
+    backends = {p.name for p in config.pools} | ({"fallback"} if config.fallback else set())
     app = FastAPI(
         title="Forge",
         version="0.1.0",
@@ -376,7 +385,14 @@ def build_admin_api(
         body: Annotated[BreakerReset | None, Body()] = None,
     ) -> dict[str, dict]:
         """Close one breaker, or every one; the board's breakers afterwards."""
-        return await _on_board("reset", breakers.reset(body.backend if body else None))
+        backend = body.backend if body else None
+        if backend is not None and backend.split("/", 1)[0] not in backends:
+            raise errors.invalid_request(
+                f"No backend {backend!r}: name one of {', '.join(sorted(backends))}, or "
+                "<pool>/<replica>; none resets every breaker.",
+                param="backend",
+            )
+        return await _on_board("reset", breakers.reset(backend))
 
     @app.post(
         "/admin/faults",

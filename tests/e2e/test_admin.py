@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import httpx
 import pytest
 
@@ -39,6 +44,15 @@ def test_breakers_are_read_and_reset_through_the_board_deployment(forge_url, fau
         return states.get("solo", {}).get("state")
 
     eventually(lambda: solo_state() == "open", timeout_s=10, what="the solo pool's breaker open")
+    # As an operator runs it on a machine of the cluster: nothing of Ray's set beforehand.
+    shown = _forge_breakers()
+    assert shown["solo"]["state"] == "open" and shown["solo"]["adopted"] is False
+    for typo in ({"backnd": "solo"}, {"backend": "nope"}):  # never "reset everything"
+        refused = httpx.post(
+            f"{forge_url}/admin/breakers/reset", json=typo, headers=admin, timeout=10
+        )
+        assert refused.status_code == 400, refused.text
+    assert solo_state() == "open"
     reset = httpx.post(
         f"{forge_url}/admin/breakers/reset", json={"backend": "solo"}, headers=admin, timeout=10
     )
@@ -46,6 +60,22 @@ def test_breakers_are_read_and_reset_through_the_board_deployment(forge_url, fau
     # A closed breaker with no failures since is one the board no longer needs to list.
     assert reset.json().get("solo", {"state": "closed"})["state"] == "closed"
     assert solo_state() in (None, "closed")
+
+
+def _forge_breakers() -> dict:
+    import ray
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run(
+        [sys.executable, "-m", "serve_app.cli", "breakers", "--address", address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
 def test_the_schema_lists_the_inference_and_admin_routes(forge_url):
