@@ -61,6 +61,7 @@ class BoardPort(Protocol):
 _FORGET_AFTER_S = 600.0  # a replica's breaker nobody reported on for this long is gone
 BOARD_DEPLOYMENT = "breaker-board"
 ADOPT_S = 10.0  # a new board takes the gateways' states for this long (they sync every 0.5 s)
+_REPUBLISH_S = 2.0  # each state gauge set again this often: well inside Ray's export window
 
 
 class BreakerBoard:
@@ -78,6 +79,7 @@ class BreakerBoard:
         self._touched: dict[str, float] = {}
         self._metrics = metrics
         self._adopt_until = clock() + ADOPT_S
+        self._republished = float("-inf")
 
     async def configure(self, settings: dict) -> None:
         """New thresholds, windows and cool-downs for every breaker, now and to come: an open
@@ -109,7 +111,19 @@ class BreakerBoard:
             if breaker.state is not before:
                 self._publish(backend, breaker, transition=True)
         self._forget(now)
+        self._republish(now)
         return self.snapshot()
+
+    def _republish(self, now: float) -> None:
+        """Every breaker's state again, every few seconds (the gateways' syncs drive it): Ray's
+        metrics export drops a gauge nobody set for two export periods, so a breaker that stays
+        open with no traffic would vanish from the dashboard, and ``ForgeBreakerOpen``, whose
+        ``for: 1m`` needs the series present throughout, would never fire."""
+        if self._metrics is None or now - self._republished < _REPUBLISH_S:
+            return
+        self._republished = now
+        for name, breaker in self._breakers.items():
+            self._publish(name, breaker)
 
     async def admit(self, backend: str) -> tuple[str, Snapshot]:
         """Decide for a backend whose cool-down is over: the first caller gets the probe."""

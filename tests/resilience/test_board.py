@@ -170,13 +170,16 @@ async def test_closing_right_after_a_report_finishes():
             closing.cancel()
 
 
+class Gauges:
+    """The board's series, as ``BoardMetrics`` has them, recorded."""
+
+    def __init__(self) -> None:
+        self.state, self.transitions, self.probes = Counter(), Counter(), Counter()
+
+
 async def test_a_replica_forgotten_with_its_breaker_open_is_reported_closed():
     """A replica that died with its breaker open must not keep forge_breaker_state at 2 (and
     its alert firing) for ever after the board forgets it."""
-
-    class Gauges:
-        def __init__(self) -> None:
-            self.state, self.transitions, self.probes = Counter(), Counter(), Counter()
 
     clock, gauges = Clock(), Gauges()
     board = BreakerBoard(S, clock, metrics=gauges)
@@ -185,7 +188,24 @@ async def test_a_replica_forgotten_with_its_breaker_open_is_reported_closed():
     clock.advance(601)
     await board.sync([("primary", "success", False, 1)])  # any later sync forgets stale ones
     assert "primary/gone" not in await board.describe()
-    assert (gauges.state.calls[-1], gauges.state.values[-1]) == ({"backend": "primary/gone"}, 0)
+    told = list(zip(gauges.state.calls, gauges.state.values, strict=True))
+    assert told[-2:] == [({"backend": "primary/gone"}, 0), ({"backend": "primary"}, 0)]
+
+
+async def test_a_breaker_open_with_no_traffic_keeps_its_state_gauge_set():
+    """Ray's export drops a gauge nobody set for two periods: the board sets every state again
+    every few seconds of the gateways' syncs, so an open breaker stays on the dashboard and
+    its alert's ``for: 1m`` can run out."""
+
+    clock, gauges = Clock(), Gauges()
+    board = BreakerBoard(S, clock, metrics=gauges)
+    await board.sync([("primary", "trip", False, 1)])
+    set_before = len(gauges.state.values)
+    for _ in range(30):  # a minute of syncs with nothing to report, 2 s apart
+        clock.advance(2)
+        await board.sync()
+    opened = gauges.state.values[set_before:]
+    assert len(opened) >= 29 and set(opened) == {2}
 
 
 class SlowBoard(BreakerBoard):
