@@ -13,13 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 
 
 def _keys_new(args: argparse.Namespace) -> int:
     from serve_app.auth.keys import hash_key, new_key
+    from serve_app.config.base import NAME
 
+    if not re.fullmatch(NAME, args.tenant):  # the line printed must be one the config takes
+        print(f"forge keys new: {args.tenant!r} is not a tenant name ({NAME})", file=sys.stderr)
+        return 2
     key = new_key()
     digest = hash_key(key)
     print(f"API key for tenant {args.tenant} (shown once, store it now):\n  {key}\n")
@@ -160,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     form.add_argument("--csv", action="store_true", help="CSV: a header, one row per tenant×model")
     usage.set_defaults(run=_usage)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `forge usage --json | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
 
 
 if __name__ == "__main__":

@@ -72,13 +72,15 @@ def _error_message(response) -> str:
 
 
 def _costed(line: dict, prices: dict) -> dict:
-    """A report line and its cost at the response's prices (None: the model has no price).
+    """A report line and its cost at the response's prices (None: the model has no price, and
+    the line has tokens).
     An adapter's line (``<model>:<adapter>``) takes the adapter's own price, else its model's."""
     base, adapter = split_adapter_model(line["model"])
     price = prices.get(line["model"])
     if price is None and adapter is not None:
         price = prices.get(base)
-    cost = None
+    tokens = line["prompt_tokens"] + line["completion_tokens"] + line["cached_tokens"]
+    cost = 0.0 if tokens == 0 else None  # refused requests only (model "none"): nothing to price
     if price is not None:
         cost = (
             line["prompt_tokens"] / 1e6 * price["prompt_per_million"]

@@ -27,6 +27,13 @@ def test_keys_new_prints_a_key_and_the_hash_of_that_key(capsys):
     assert "- name: team-a" in out
 
 
+@pytest.mark.parametrize("tenant", ["", "a: b #c", "-x"])
+def test_keys_new_refuses_a_name_the_config_would_refuse(tenant, capsys):
+    """The printed line goes into a config: it must be one ``forge config check`` passes."""
+    assert cli.main(["keys", "new", f"--tenant={tenant}"]) == 2
+    assert "sk-forge-" not in capsys.readouterr().out
+
+
 def test_keys_hash_reads_stdin(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("sk-demo\n"))
     assert cli.main(["keys", "hash"]) == 0
@@ -67,6 +74,8 @@ def forge_url(tmp_path_factory) -> Iterator[str]:
         UsageRecord("alpha", MODEL, DAY, {"completion_tokens": 500_000, "cached_tokens": 2_000}),
         UsageRecord("beta", MODEL, DAY, {"requests": 1, "prompt_tokens": 250_000}),
         UsageRecord("beta", UNPRICED, DAY, {"requests": 2, "prompt_tokens": 10}),
+        # Refused before a model was read (a 400 on a malformed body): nothing to price.
+        UsageRecord("alpha", "none", DAY, {"requests": 1, "invalid": 1}),
     ]
 
     async def write() -> None:
@@ -104,14 +113,15 @@ def test_usage_prints_a_table_with_costs_and_a_total(forge_url, monkeypatch, cap
     assert lines[1].split() == [
         *("tenant", "model", "requests", "prompt", "completion", "cached", "cost", "(EUR)")
     ]
-    rows = {tuple(line.split()[:2]): line.split()[2:] for line in lines[3:6]}
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in lines[3:7]}
     assert rows == {
         ("alpha", MODEL): ["3", "1,000,000", "500,000", "2,000", "6.0010"],
+        ("alpha", "none"): ["1", "0", "0", "0", "0.0000"],
         ("beta", MODEL): ["1", "250,000", "0", "0", "0.5000"],
         ("beta", UNPRICED): ["2", "10", "0", "0", "unpriced"],
     }
-    assert lines[7].split() == ["total", "6", "1,250,010", "500,000", "2,000", "6.5010"]
-    assert UNPRICED in lines[8]
+    assert lines[8].split() == ["total", "7", "1,250,010", "500,000", "2,000", "6.5010"]
+    assert lines[9] == f"No price configured (metering.prices) for: {UNPRICED}"
 
 
 def test_usage_json_carries_rows_costs_and_the_total(forge_url, monkeypatch, capsys):
@@ -124,7 +134,8 @@ def test_usage_json_carries_rows_costs_and_the_total(forge_url, monkeypatch, cap
     assert costs[("beta", MODEL)] == pytest.approx(BETA_COST)
     assert costs[("beta", UNPRICED)] is None
     assert report["total"]["cost"] == pytest.approx(ALPHA_COST + BETA_COST)
-    assert report["total"]["requests"] == 6
+    assert report["total"]["requests"] == 7
+    assert costs[("alpha", "none")] == 0
     assert report["unpriced_models"] == [UNPRICED]
 
 
@@ -132,8 +143,8 @@ def test_usage_csv_has_a_header_and_a_row_per_tenant_and_model(forge_url, monkey
     monkeypatch.setenv("FORGE_ADMIN_KEY", ADMIN_KEY)
     assert forge_usage(forge_url, "--csv", "--tenant", "alpha") == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
-    assert len(rows) == 1
-    (row,) = rows
+    assert [r["model"] for r in rows] == [MODEL, "none"]
+    row = rows[0]
     assert (row["tenant"], row["model"], row["start"], row["currency"]) == (
         "alpha",
         MODEL,
