@@ -37,6 +37,13 @@ class Dialect(Protocol):
         ...
 
 
+def set_tool_choice(chat: dict, choice: str | dict) -> None:
+    """``choice`` on the chat body, except auto or none without tools: OpenAI's and Anthropic's
+    APIs take those alone, vLLM refuses a tool_choice with no tools."""
+    if "tools" in chat or choice not in ("auto", "none"):
+        chat["tool_choice"] = choice
+
+
 async def count_tokens(ctx: RequestContext) -> Response:
     """``/v1/messages/count_tokens`` and ``/v1/responses/input_tokens``: the gateway's count of
     the translated prompt, the one its budgets reserve (the engine's own tokenizer may differ

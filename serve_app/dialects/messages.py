@@ -53,6 +53,7 @@ from serve_app.dialects.base import (
     reasoning_of,
     required_string,
     rewrite,
+    set_tool_choice,
     thinking_switch,
 )
 from serve_app.pipeline import RequestContext
@@ -175,8 +176,7 @@ class MessagesDialect:
             chat["tools"] = chat_tools(req.tools)
         if req.tool_choice is not None:
             choice, parallel = chat_tool_choice(req.tool_choice)
-            if "tools" in chat or choice not in ("auto", "none"):  # vLLM: no choice without tools
-                chat["tool_choice"] = choice
+            set_tool_choice(chat, choice)
             if parallel is False:
                 chat["parallel_tool_calls"] = False
         return chat

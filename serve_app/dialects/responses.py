@@ -44,6 +44,7 @@ from serve_app.dialects.base import (
     reasoning_of,
     required_string,
     rewrite,
+    set_tool_choice,
     system_first,
     thinking_switch,
 )
@@ -185,9 +186,7 @@ class ResponsesDialect:
         if req.tools:
             chat["tools"] = chat_tools(req.tools)
         if req.tool_choice is not None:
-            choice = chat_tool_choice(req.tool_choice)
-            if "tools" in chat or choice not in ("auto", "none"):  # vLLM: no choice without tools
-                chat["tool_choice"] = choice
+            set_tool_choice(chat, chat_tool_choice(req.tool_choice))
         response_format = chat_response_format(req.text)
         if response_format is not None:
             chat["response_format"] = response_format
