@@ -23,13 +23,15 @@ if any claim fails:
 
 1. **ledger = engines**: per pool, the ledger's prompt and completion tokens (delta over the
    run) equal the pool's engines' own counters (delta), no pool request was charged an
-   estimate, and every request the clients sent is counted. A SIGKILLed gateway loses what it
-   held in memory (docs/operations.md, "Usage": the records it had not written, at most
-   ``metering.flush_s`` of its usage), the requests in flight on it (never recorded) and any
-   whose client saw it end whole an instant before the kill, its record not yet queued: the
-   engines then lead the ledger by at most what it held (read at the kill) plus a prompt and
-   ``max_tokens`` for each of the others, and what it held plus the never queued are at most
-   the requests that ended in the ``flush_s`` before the kill. Without a gateway kill: equal.
+   estimate, and every request the clients sent is counted. A SIGKILLed gateway loses the
+   requests in flight on it (never recorded) and any whose client saw it end whole an instant
+   before the kill, its record not yet queued; what it held queued is in its usage journal,
+   which its replacement writes (docs/operations.md, "Usage"; with ``metering.journal`` off it
+   is lost too, at most ``metering.flush_s`` of its usage). The engines then lead the ledger by
+   at most a prompt and ``max_tokens`` for each request lost (plus what it held, without the
+   journal), and the never queued (plus the held) are at most the requests that ended in the
+   ``flush_s`` before the kill (with the journal, in the half second before it). Without a
+   gateway kill: equal.
 2. **budgets held**: per tenant with a ``rpm``/``tpm`` budget and per fault window (the fault's
    start to ``--after`` seconds past its end), what was served (200s; their tokens) beyond what
    one token bucket allows over the window (burst + rate × length) is at most the documented
@@ -768,6 +770,7 @@ class LedgerBooks:
     kills: list[dict]  # per gateway kill: held, cut, recent
     flush_s: float
     most_per_request: tuple[int, int]  # prompt, completion (``max_charge``)
+    journal: bool = True  # a killed gateway's queued usage is written by another (not lost)
 
 
 def ledger_books(
@@ -780,6 +783,8 @@ def ledger_books(
     flush_s: float,
     after_s: float,
     estimated: dict[str, int] | None = None,
+    *,
+    journal: bool = True,
 ) -> LedgerBooks:
     pools = {}
     for pool, model in POOLS.items():
@@ -807,6 +812,9 @@ def ledger_books(
         # Every client's requests that ended in the flush period before the kill: the most
         # the victim's unwritten records can be, by the docs.
         recent = sum(k.at_s - flush_s - 0.5 <= r.start + r.total <= k.at_s + 0.1 for r in sent)
+        # And in the last half second: the most that can end whole and not be queued (a
+        # record is queued, and journaled, within milliseconds of the response's end).
+        instant = sum(k.at_s - 0.5 <= r.start + r.total <= k.at_s + 0.1 for r in sent)
         kills.append(
             {
                 "at_s": round(k.at_s, 1),
@@ -815,21 +823,31 @@ def ledger_books(
                 "cut": len(cut),
                 "cut_by_error": dict(Counter(r.error for r in cut)),
                 "recent": recent,
+                "instant": instant,
             }
         )
     unanswered = sum(r.status == 0 for r in sent)
     return LedgerBooks(
-        pools, estimated or {}, len(sent), counted, unanswered, kills, flush_s, max_charge(sent)
+        pools,
+        estimated or {},
+        len(sent),
+        counted,
+        unanswered,
+        kills,
+        flush_s,
+        max_charge(sent),
+        journal,
     )
 
 
 def check_ledger(books: LedgerBooks) -> Check:
     """Claim 1 on ``books``. Without a gateway kill: every request counted (but one never
     answered), and the pools' tokens equal. With kills, what each killed replica lost: the
-    records it held (read at the kill), the requests cut on it, and those whose client saw
-    them end whole a moment before the kill but whose record was not yet queued; the last two
-    at most a prompt and ``max_tokens`` each, and what it held plus the last at most the
-    requests that ended in the ``flush_s`` before the kill (the docs' bound)."""
+    requests cut on it, those whose client saw them end whole a moment before the kill but
+    whose record was not yet queued, and (without a journal) the records it held, read at the
+    kill; the first two at most a prompt and ``max_tokens`` each, and the never queued (plus
+    the held) at most the requests that ended in the ``flush_s`` before the kill; with a
+    journal, the never queued at most those that ended in the half second before it."""
     prompt_max, output_max = books.most_per_request
     held = {
         pool: {
@@ -843,16 +861,23 @@ def check_ledger(books: LedgerBooks) -> Check:
     }
     cut = sum(k["cut"] for k in books.kills)
     queued = sum(k["held"]["queued"].get("requests", 0) for k in books.kills)
+    held_lost = 0 if books.journal else queued  # with a journal, what it held is written
     lost = books.sent - books.counted
     # Ended whole, never queued: the instant between a response's last byte and its record.
-    unqueued = max(0, lost - books.unanswered - queued - cut)
+    unqueued = max(0, lost - books.unanswered - held_lost - cut)
     recent = sum(k["recent"] for k in books.kills)
-    ok = 0 <= lost and queued + unqueued <= recent if books.kills else 0 <= lost <= books.unanswered
+    instant = sum(k.get("instant", k["recent"]) for k in books.kills)
+    if books.kills:
+        ok = 0 <= lost and held_lost + unqueued <= recent
+        ok &= unqueued <= instant or not books.journal
+    else:
+        ok = 0 <= lost <= books.unanswered
     parts = []
     for pool, p in books.pools.items():
         for kind, most in (("prompt", prompt_max), ("completion", output_max)):
             gap = p[f"engine_{kind}"] - p[f"ledger_{kind}"]
-            allowed = held[pool][kind] + (cut + unqueued) * most if books.kills else 0
+            unwritten = 0 if books.journal else held[pool][kind]
+            allowed = unwritten + (cut + unqueued) * most if books.kills else 0
             ok &= 0 <= gap <= allowed
             parts.append(
                 f"{pool} {kind}: ledger {p[f'ledger_{kind}']:,} vs engines "
@@ -865,11 +890,15 @@ def check_ledger(books: LedgerBooks) -> Check:
             parts.append(f"{pool}: a replica was replaced (its counters lost)")
     parts.append(
         f"requests: the clients sent {books.sent:,}, the ledger counts {books.counted:,} "
-        f"({lost:,} missing: {books.unanswered} never answered, {queued} held unwritten by "
+        f"({lost:,} missing: {books.unanswered} never answered, {held_lost} held unwritten by "
         f"killed gateways, {cut} cut by the kills, {unqueued} ended whole but never queued; "
-        f"held + never queued {queued + unqueued} ≤ {recent} ended in the {books.flush_s:g} s "
-        "before a kill)"
+        f"held + never queued {held_lost + unqueued} ≤ {recent} ended in the "
+        f"{books.flush_s:g} s before a kill"
+        + (f"; never queued ≤ {instant} ended in the 0.5 s before" if books.journal else "")
+        + ")"
     )
+    if books.kills and books.journal:
+        parts.append(f"{queued} records the killed gateways held, written from their journals")
     parts += [
         f"gateway killed at {k['at_s']:.1f} s: {k['held']['queued'].get('requests', 0)} "
         f"records held, {k['recent']} requests ended in the {books.flush_s:g} s before, "
@@ -1111,7 +1140,7 @@ def books(
     idle, _ = soak.check_replicas_idle()
     engines_after = engine_counts()
     ledger_after = ledger_by_model(admin, days())  # the records of the last aborts too
-    flush_s = MeteringConfig().flush_s
+    flush_s, journal = MeteringConfig().flush_s, MeteringConfig().journal
     ledger = ledger_books(
         ledger_before,
         ledger_after,
@@ -1122,6 +1151,7 @@ def books(
         flush_s,
         after_s,
         estimated_by_tenant(admin, days()),
+        journal=journal,
     )
     names = {s.name: s for s in soak.chat_streams()}
     extras = [*soak.EXTRAS, REPEATS, *flood]

@@ -37,7 +37,8 @@ from serve_app.config.models import AdmissionConfig, ForgeConfig, PoolConfig
 from serve_app.dialects import Dialect, MessagesDialect, ResponsesDialect, StoredResponses
 from serve_app.dialects.base import count_tokens
 from serve_app.metering.book import UsageBook
-from serve_app.metering.ledger import UsageLedger, build_book
+from serve_app.metering.journal import JournalError
+from serve_app.metering.ledger import UsageLedger, build_book, build_journal
 from serve_app.metrics import ForgeMetrics
 from serve_app.pipeline import Handler, Stage, compose, traced_endpoint
 from serve_app.resilience.client import BreakerClient
@@ -118,10 +119,15 @@ class LastingParts:
 def build_lasting(config: ForgeConfig, parts: Collaborators) -> LastingParts:
     """The parts that outlive a live rebuild, built once per gateway replica."""
     store_failed = StoreFailures(parts.metrics, "usage kept queued, retried")
+    # A journal for the ledger the config names (a book passed in is a test's own).
+    journal = build_journal(config.metering) if parts.book is None else None
     ledger = UsageLedger(
         parts.book if parts.book is not None else build_book(config.metering),
         flush_s=config.metering.flush_s,
-        on_error=lambda exc: store_failed("meter", exc),
+        on_error=lambda exc: store_failed(
+            "journal" if isinstance(exc, JournalError) else "meter", exc
+        ),
+        journal=journal,
     )
     throttle = None
     if config.gateway.auth_throttle is not None:

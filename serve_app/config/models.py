@@ -658,8 +658,14 @@ class MeteringConfig(_Strict):
     # How long a day's counts are kept: long enough for a year's invoices and their disputes.
     retention_days: Annotated[int, Field(gt=0, le=3660)] = 400
     # How often a gateway replica writes its queued usage (one transaction for all of it): a
-    # report lags by about this much, and a replica that dies loses at most this much.
+    # report lags by about this much (and, without the journal, a replica that dies loses it).
     flush_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    # Each replica's queued usage also in a file (``metering/journal.py``), so a replica that
+    # is killed loses none of it: another one sharing the directory writes it. The directory
+    # (None: beside the SQLite file, or ~/.local/share/forge/journal-<database> for
+    # PostgreSQL) must be shared by the replicas of one machine, and is the ledger's alone.
+    journal: bool = True
+    journal_dir: str | None = None
     currency: str = "USD"
     prices: dict[str, ModelPrice] = Field(default_factory=dict)  # served model name → price
 

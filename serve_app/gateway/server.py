@@ -139,6 +139,7 @@ class Gateway:
         if self.fallback_health is not None:
             self.fallback_health.start()
         self.live.start()
+        self.lasting.ledger.start()  # and dead replicas' usage journals are adopted
 
     async def aclose(self) -> None:
         self.live.stop()

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from serve_app.config.models import ConfigError, MeteringConfig
 from serve_app.metering.book import BookError, UsageBook, UsageEntry
+from serve_app.metering.journal import JournalError, Orphan, UsageJournal
 from serve_app.metering.postgres import PostgresBook
 from serve_app.metering.sqlite import SqliteBook
 
@@ -46,6 +51,8 @@ DAY_FORMAT = "%Y-%m-%d"
 MAX_REPORT_DAYS = 400
 # The laptop's ledger, where the config names none: durable across runs of `serve run`.
 DEFAULT_SQLITE_PATH = "~/.local/share/forge/usage.sqlite3"
+logger = logging.getLogger("ray.serve")
+ADOPT_EVERY_S = 10.0  # how often a replica looks for dead replicas' journals
 
 
 def error_class(status: int) -> str | None:
@@ -141,9 +148,11 @@ class UsageLedger:
     is retried until the database takes it: one whose commit landed but whose answer was lost
     is not applied again (the database refuses its id). Nothing is lost to a database that is
     slow or down for a while, only delayed, and memory stays bounded by tenants x days x models
-    whatever the outage's length. What a gateway replica that dies loses: what it had not
-    written yet, at most ``flush_s`` of its usage while the database is up (its responses had
-    ended; the client saw them complete) and everything queued while it was down.
+    whatever the outage's length. With a ``journal`` (``metering/journal.py``), what is queued
+    is in a file as well, and a replica that dies loses none of it: another replica sharing
+    the journal's directory adopts it. Without one, a replica that dies loses what it had not
+    written yet: at most ``flush_s`` of its usage while the database is up, and everything
+    queued while it was down.
     """
 
     def __init__(
@@ -151,32 +160,49 @@ class UsageLedger:
         book: UsageBook,
         *,
         flush_s: float = 1.0,
-        on_error: Callable[[BookError], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+        journal: UsageJournal | None = None,
     ) -> None:
         self.book = book
         self.flush_s = flush_s
-        self.on_error = on_error
+        self.on_error = on_error  # a BookError (retried) or a JournalError (memory only)
+        self.journal = journal
         self._pending: dict[tuple[str, str, str, str], int] = {}  # not yet in a batch
         self._unconfirmed: tuple[str, list[UsageEntry]] | None = None  # (id, entries) sent
+        self._adopted: list[Orphan] = []  # dead replicas' journals, being written
         self._flusher: asyncio.Task | None = None
+        self._adopter: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
     def add(self, record: UsageRecord) -> None:
-        """Queue a record (no database call here); the flusher writes it within ``flush_s``."""
-        for name, value in record.counts.items():
-            if value:
-                key = (record.tenant, record.day, record.model, name)
-                self._pending[key] = self._pending.get(key, 0) + value
-        if self._pending and (self._flusher is None or self._flusher.done()):
+        """Queue a record (no database call here; one file append with a journal); the flusher
+        writes it within ``flush_s``."""
+        counts = {name: value for name, value in record.counts.items() if value}
+        if not counts:
+            return
+        if self.journal is not None:
+            try:
+                self.journal.append(record.tenant, record.day, record.model, counts)
+            except JournalError as exc:
+                self._failed(exc)
+        for name, value in counts.items():
+            key = (record.tenant, record.day, record.model, name)
+            self._pending[key] = self._pending.get(key, 0) + value
+        self._flush_later()
+
+    def _flush_later(self) -> None:
+        if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush_soon())
 
     @property
     def queued(self) -> int:
-        """Rows with counts not yet confirmed by the database."""
-        return len(self._pending) + (len(self._unconfirmed[1]) if self._unconfirmed else 0)
+        """Rows with counts not yet confirmed by the database (dead replicas' adopted too)."""
+        adopted = sum(len(e) for o in self._adopted for e in o.batches.values())
+        unconfirmed = len(self._unconfirmed[1]) if self._unconfirmed else 0
+        return len(self._pending) + unconfirmed + adopted
 
     async def _flush_soon(self) -> None:
-        while self._pending or self._unconfirmed:
+        while self._pending or self._unconfirmed or self._adopted:
             await asyncio.sleep(self.flush_s)
             await self.flush()
 
@@ -186,29 +212,110 @@ class UsageLedger:
             if self._unconfirmed is None and self._pending:
                 entries = [UsageEntry(*key, value) for key, value in self._pending.items()]
                 self._pending = {}
-                self._unconfirmed = (uuid.uuid4().hex, entries)
-            if self._unconfirmed is None:
-                return
-            batch_id, entries = self._unconfirmed
+                batch_id = uuid.uuid4().hex
+                self._unconfirmed = (batch_id, entries)
+                if self.journal is not None:
+                    try:
+                        self.journal.seal(batch_id)
+                    except JournalError as exc:
+                        self._failed(exc)
+            if self._unconfirmed is not None:
+                batch_id, entries = self._unconfirmed
+                if not await self._written(batch_id, entries):
+                    self._compact()
+                    return  # the same batch, the same id, next time
+                self._unconfirmed = None
+                if self.journal is not None:
+                    self.journal.confirmed(batch_id)
+            await self._write_adopted()
+
+    async def _written(self, batch_id: str, entries: list[UsageEntry]) -> bool:
+        try:
+            await self.book.write(batch_id, entries)
+        except BookError as exc:
+            self._failed(exc)
+            return False
+        return True
+
+    def _compact(self) -> None:
+        """The database is down: keep the journal's unsealed file as small as what it holds."""
+        if self.journal is not None and self.journal.should_compact():
             try:
-                await self.book.write(batch_id, entries)
-            except BookError as exc:
-                if self.on_error is not None:
-                    self.on_error(exc)
-                return  # the same batch, the same id, next time
-            self._unconfirmed = None
+                self.journal.compact(self._pending)
+            except JournalError as exc:
+                self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        if self.on_error is not None:
+            self.on_error(exc)
+
+    # -- dead replicas' journals -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Adopt dead replicas' journals now and every ``ADOPT_EVERY_S`` (a replica killed
+        while this one runs is adopted by it, or by its own replacement)."""
+        if self.journal is not None and self._adopter is None:
+            self._adopter = asyncio.get_running_loop().create_task(self._adopt_forever())
+
+    async def _adopt_forever(self) -> None:
+        while True:
+            await self.adopt()
+            await asyncio.sleep(ADOPT_EVERY_S)
+
+    async def adopt(self) -> int:
+        """Take the journals whose replicas are gone and write them; the batches taken."""
+        if self.journal is None:
+            return 0
+        async with self._lock:
+            found = []
+            try:
+                for orphan in self.journal.orphans():
+                    if orphan.batches:
+                        found.append(orphan)
+                    else:
+                        orphan.release()  # a replica that ended with nothing queued
+            except OSError as exc:
+                self._failed(JournalError(f"usage journal {self.journal.directory}: {exc}"))
+            for orphan in found:
+                logger.info(
+                    "adopting the usage journal of a gateway replica that is gone (%s): %d "
+                    "batch(es)",
+                    orphan.owner,
+                    len(orphan.batches),
+                )
+            self._adopted += found
+            taken = sum(len(o.batches) for o in found)
+            await self._write_adopted()
+        if self._adopted:
+            self._flush_later()
+        return taken
+
+    async def _write_adopted(self) -> None:
+        for orphan in list(self._adopted):
+            for batch_id, entries in list(orphan.batches.items()):
+                if not await self._written(batch_id, entries):
+                    return
+                orphan.written(batch_id)
+            orphan.release()
+            self._adopted.remove(orphan)
 
     async def aclose(self, timeout_s: float = 5.0) -> None:
         """Write what is queued before the gateway goes (retrying for up to ``timeout_s``),
         then close the book."""
-        if self._flusher is not None:
-            self._flusher.cancel()
+        for task in (self._flusher, self._adopter):
+            if task is not None:
+                task.cancel()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (self._pending or self._unconfirmed) and loop.time() < deadline:
+        while self.queued and loop.time() < deadline:
             await self.flush()
-            if self._pending or self._unconfirmed:
+            if self.queued:
                 await asyncio.sleep(min(0.2, self.flush_s))
+        for orphan in self._adopted:  # not written: the next replica adopts it again
+            orphan.lock.close()
+        self._adopted = []
+        if self.journal is not None:
+            self.journal.close()
         await self.book.close()
 
     async def read(
@@ -250,6 +357,34 @@ def build_book(config: MeteringConfig) -> UsageBook:
         return PostgresBook(url, retention_days=config.retention_days)
     path = config.sqlite_path or DEFAULT_SQLITE_PATH
     return SqliteBook(path, retention_days=config.retention_days)
+
+
+def journal_directory(config: MeteringConfig) -> Path:
+    """Where the replicas of a machine keep the usage they have not written (``journal_dir``,
+    else one directory per ledger: an adopter writes what it finds to the ledger it came for)."""
+    if config.journal_dir:
+        return Path(config.journal_dir).expanduser()
+    if config.database_url_env:
+        url = urlsplit(os.environ.get(config.database_url_env, ""))
+        # The database's address, not its password, names the directory.
+        where = f"{url.hostname}:{url.port}{url.path}?{url.query}"
+        digest = hashlib.sha256(where.encode()).hexdigest()[:16]
+        return Path(f"~/.local/share/forge/journal-{digest}").expanduser()
+    path = Path(config.sqlite_path or DEFAULT_SQLITE_PATH).expanduser()
+    return path.with_name(path.name + ".journal")
+
+
+def build_journal(config: MeteringConfig) -> UsageJournal | None:
+    """The replica's journal, or None (metering keeps usage in memory only) where it is off or
+    its directory takes no files: said, and never a reason not to serve."""
+    if not config.journal:
+        return None
+    directory = journal_directory(config)
+    try:
+        return UsageJournal(directory)
+    except OSError as exc:
+        logger.warning("no usage journal in %s (%s): usage queued in memory only", directory, exc)
+        return None
 
 
 def totals(rows: Sequence[UsageRow]) -> dict[str, int]:
