@@ -277,7 +277,9 @@ class UsageLedger:
             except OSError as exc:
                 self._failed(JournalError(f"usage journal {self.journal.directory}: {exc}"))
             for orphan in found:
-                logger.info(
+                # A warning: a replica died with usage unwritten (and Serve holds the replica
+                # logger at WARNING through the lifespan's start, when a replacement adopts).
+                logger.warning(
                     "adopting the usage journal of a gateway replica that is gone (%s): %d "
                     "batch(es)",
                     orphan.owner,
