@@ -30,6 +30,7 @@ import functools
 import importlib
 import ipaddress
 import json
+import os
 import re
 import shutil
 from collections.abc import Sequence
@@ -706,6 +707,59 @@ def test_disruption_check_catches_budgets_turned_off(renders):
     off = renders["no-disruption-budgets"]
     assert off.error is None, off.error
     assert len(disruption_problems(off)) == 2
+
+
+# --- the usage journal: on a disk the gateway can write ------------------------------------
+
+
+def journal_problems(rayservice: dict, home: str = "/home/ray") -> list[str]:
+    """The gateway's usage journal (``metering/journal.py``) is on a writable mount of every
+    Ray container with a read-only root: otherwise each replica starts without one (a
+    warning), and a killed replica's unwritten usage is lost."""
+    from unittest import mock
+
+    from serve_app.config.models import MeteringConfig
+    from serve_app.metering.ledger import journal_directory
+
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (app,) = [a for a in config["applications"] if a["name"] == FORGE_APP]
+    metering = MeteringConfig(**app["args"].get("metering", {}))
+    if not metering.journal:
+        return ["metering.journal is off: a killed gateway replica's unwritten usage is lost"]
+    with mock.patch.dict(os.environ, {"HOME": home}):
+        directory = str(journal_directory(metering)).rstrip("/") + "/"
+    problems = []
+    for group, spec in pod_specs(rayservice).items():
+        container = ray_container(spec)
+        if not container.get("securityContext", {}).get("readOnlyRootFilesystem"):
+            continue
+        writable = [
+            m["mountPath"].rstrip("/") + "/"
+            for m in container.get("volumeMounts", [])
+            if not m.get("readOnly")
+        ]
+        if not any(directory.startswith(path) for path in writable):
+            problems.append(f"{group}: the usage journal {directory} is on the read-only root")
+    return problems
+
+
+def test_the_usage_journal_is_on_a_writable_mount(rendered):
+    assert journal_problems(rendered.one("RayService")) == []
+
+
+def test_journal_check_catches_a_read_only_directory_and_the_journal_off(rendered):
+    rayservice = copy.deepcopy(rendered.one("RayService"))
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (app,) = [a for a in config["applications"] if a["name"] == FORGE_APP]
+    del app["args"]["metering"]["journal_dir"]  # the default: ~/.local/share, the root's
+    rayservice["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    problems = journal_problems(rayservice)
+    assert problems and all("read-only root" in p for p in problems)
+    app["args"]["metering"]["journal"] = False
+    rayservice["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    assert journal_problems(rayservice) == [
+        "metering.journal is off: a killed gateway replica's unwritten usage is lost"
+    ]
 
 
 # --- the head's loss: GCS fault tolerance on a Redis of its own ---------------------------------
