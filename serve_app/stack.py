@@ -159,6 +159,7 @@ class Pipeline:
     stored_response: Handler  # GET and DELETE /v1/responses/{id}
     # /v1/messages/count_tokens, /v1/responses/input_tokens: the body read, translated, counted
     count_tokens: Handler
+    dispatch: Dispatch  # the last step (its retry budget is read between requests too)
 
     def stage(self, kind: type[S]) -> S:
         """The one stage of type ``kind``: found by what it is, never by where it sits."""
@@ -242,6 +243,7 @@ def build_pipeline(
             dialects,
             compose(front, responses.stored_response),
             compose(counting, count_tokens),
+            dispatch,
         )
     # Traced: the root span opens first, then a span per stage, and dispatch's own.
     root = TraceStage(tracer)
@@ -253,6 +255,7 @@ def build_pipeline(
         dialects,
         compose([root], compose(front, responses.stored_response, tracer)),
         compose([root], compose(counting, count_tokens, tracer)),
+        dispatch,
     )
 
 

@@ -40,11 +40,13 @@ from serve_app.resilience.breaker import State
 from serve_app.resilience.health import HealthWatch
 from serve_app.resilience.settings import breaker_client_options
 from serve_app.stack import Collaborators, Pipeline, build_lasting, build_pipeline
+from serve_app.store.guarded import GuardedStore
 from serve_app.traffic.policy import TrafficPolicy
 
 logger = logging.getLogger("ray.serve")
 
 _JSON = "application/json"
+STATES_EVERY_S = 5.0  # how often the state gauges are set again (``Gateway.publish_states``)
 
 
 class Gateway:
@@ -72,6 +74,7 @@ class Gateway:
         self.models = TrafficPolicy(config)
         self._parts = parts
         self._app: Starlette | None = None
+        self._states_task: asyncio.Task | None = None
         self.lasting = build_lasting(config, parts)  # kept across live changes
         self.pipeline = self._build_pipeline(config, parts)
         # The args' configuration is the base a live change's sections go over.
@@ -140,9 +143,31 @@ class Gateway:
             self.fallback_health.start()
         self.live.start()
         self.lasting.ledger.start()  # and dead replicas' usage journals are adopted
+        if self._states_task is None:
+            self._states_task = asyncio.get_running_loop().create_task(self._publish_states())
+
+    async def _publish_states(self) -> None:
+        while True:
+            await asyncio.sleep(STATES_EVERY_S)
+            self.publish_states()
+
+    def publish_states(self) -> None:
+        """The state gauges again: the stores' breakers and the retry budget's remainder. They
+        change on a failure or a retry, and Ray's export drops a gauge nobody set for two
+        periods, so a store breaker left open would vanish from the dashboard (as the board's
+        breakers did), and the budget would show its last retry's remainder for ever."""
+        stores = {"main": self.store}
+        if self._parts.cache_store is not None and self._parts.cache_store is not self.store:
+            stores["cache"] = self._parts.cache_store
+        for name, store in stores.items():
+            if isinstance(store, GuardedStore):
+                self.metrics.store_changed(name, store.state)
+        self.pipeline.dispatch.publish_budget()
 
     async def aclose(self) -> None:
         self.live.stop()
+        if self._states_task is not None:
+            self._states_task.cancel()
         for stage in self.pipeline.stages:
             close = getattr(stage, "aclose", None)
             if close is not None:

@@ -196,8 +196,15 @@ class Dispatch:
                 self.metrics.retries.inc(tags={"backend": backend.name})
             else:
                 self.metrics.retries_denied.inc()
-            self.metrics.retry_budget.set(self.budget.allowed(now) - self.budget.used(now))
+            self.publish_budget(now)
         return spent
+
+    def publish_budget(self, now: float | None = None) -> None:
+        """``forge_retry_budget_remaining``: at each retry, and between requests (the gateway
+        republishes it, ``Gateway.publish_states``) as the window refills."""
+        if self.budget is not None and self.metrics is not None:
+            now = time.monotonic() if now is None else now
+            self.metrics.retry_budget.set(self.budget.allowed(now) - self.budget.used(now))
 
     def _none_available(self, candidates: Sequence[Backend]) -> errors.ForgeError:
         wait = 1.0

@@ -150,8 +150,23 @@ async def test_a_lost_cache_redis_trips_its_own_breaker_and_budgets_carry_on(
             assert response.headers["x-forge-cache"] == "bypass"
         assert gateway.pipeline.stage(CacheStage).store.state is State.OPEN
         assert gateway.store.state is State.CLOSED  # the budgets' breaker heard nothing of it
-    assert {"store": "cache"} in metrics.store_state.calls
-    assert {"store": "main"} not in metrics.store_state.calls
+        assert {"store": "cache"} in metrics.store_state.calls
+        assert {"store": "main"} not in metrics.store_state.calls
+
+        # With no traffic, the states are set again (Ray's export drops a gauge left unset).
+        metrics.store_state.calls.clear()
+        metrics.store_state.values.clear()
+        gateway.publish_states()
+        published = dict(
+            zip(
+                (c["store"] for c in metrics.store_state.calls),
+                metrics.store_state.values,
+                strict=True,
+            )
+        )
+        assert published == {"main": int(State.CLOSED), "cache": int(State.OPEN)}
+        # and the retry budget's remainder: no retry spent, all of it
+        assert metrics.retry_budget.values[-1] >= config.resilience.retry_budget.min_retries
     assert metrics.unmetered.calls == []  # every request was held to the Redis budget
     assert any(k.startswith(f"{key_prefix}quota:") for k in await keys(budgets, key_prefix))
 
