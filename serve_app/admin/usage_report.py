@@ -15,9 +15,18 @@ import os
 import sys
 
 from serve_app.adapters import split_adapter_model
+from serve_app.metering.ledger import ERROR_CLASSES
 
 ADMIN_KEY_ENV = "FORGE_ADMIN_KEY"
-_USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+# ``requests`` counts every request, refused and failed ones too; ``error_requests`` how many
+# of them ended in an error (``/admin/usage``'s ``errors``, by class, summed).
+_USAGE_FIELDS = (
+    "requests",
+    "error_requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +96,8 @@ def _costed(line: dict, prices: dict) -> dict:
             + line["completion_tokens"] / 1e6 * price["completion_per_million"]
             + line["cached_tokens"] / 1e6 * price["cached_per_million"]
         )
-    return {**line, "adapter": adapter, "cost": cost}
+    errors = line.get("errors") or {}
+    return {**line, "error_requests": sum(errors.values()), "adapter": adapter, "cost": cost}
 
 
 def _total(rows: list[dict]) -> dict:
@@ -109,7 +119,10 @@ def _usage_json(report: dict, rows: list[dict]) -> dict:
 
 def _usage_csv(report: dict, rows: list[dict]) -> None:
     writer = csv.writer(sys.stdout, lineterminator="\n")
-    writer.writerow(["start", "end", "tenant", "model", *_USAGE_FIELDS, "cost", "currency"])
+    by_class = [f"errors_{c}" for c in ERROR_CLASSES]
+    writer.writerow(
+        ["start", "end", "tenant", "model", *_USAGE_FIELDS, "cost", "currency", *by_class]
+    )
     for r in rows:
         cost = "" if r["cost"] is None else f"{r['cost']:.6f}"
         counts = [r[name] for name in _USAGE_FIELDS]
@@ -122,13 +135,17 @@ def _usage_csv(report: dict, rows: list[dict]) -> None:
                 *counts,
                 cost,
                 report["currency"],
+                *(r["errors"].get(c, 0) for c in ERROR_CLASSES),
             ]
         )
 
 
 def _usage_table(report: dict, rows: list[dict]) -> None:
     currency = report["currency"]
-    header = ["tenant", "model", "requests", "prompt", "completion", "cached", f"cost ({currency})"]
+    header = [
+        *("tenant", "model", "requests", "errors", "prompt", "completion", "cached"),
+        f"cost ({currency})",
+    ]
     total = _total(rows)
 
     def cells(r: dict, tenant: str, model: str) -> list[str]:

@@ -75,7 +75,9 @@ def forge_url(tmp_path_factory) -> Iterator[str]:
         UsageRecord("beta", MODEL, DAY, {"requests": 1, "prompt_tokens": 250_000}),
         UsageRecord("beta", UNPRICED, DAY, {"requests": 2, "prompt_tokens": 10}),
         # Refused before a model was read (a 400 on a malformed body): nothing to price.
-        UsageRecord("alpha", "none", DAY, {"requests": 1, "invalid": 1}),
+        UsageRecord("alpha", "none", DAY, {"requests": 1, "errors_invalid": 1}),
+        # Refused by its budget and by admission: counted as requests, and as errors.
+        UsageRecord("beta", MODEL, DAY, {"requests": 2, "errors_rate_limited": 2}),
     ]
 
     async def write() -> None:
@@ -111,16 +113,17 @@ def test_usage_prints_a_table_with_costs_and_a_total(forge_url, monkeypatch, cap
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"Usage {DAY} to {DAY} (UTC)"
     assert lines[1].split() == [
-        *("tenant", "model", "requests", "prompt", "completion", "cached", "cost", "(EUR)")
+        *("tenant", "model", "requests", "errors", "prompt", "completion", "cached", "cost"),
+        "(EUR)",
     ]
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in lines[3:7]}
     assert rows == {
-        ("alpha", MODEL): ["3", "1,000,000", "500,000", "2,000", "6.0010"],
-        ("alpha", "none"): ["1", "0", "0", "0", "0.0000"],
-        ("beta", MODEL): ["1", "250,000", "0", "0", "0.5000"],
-        ("beta", UNPRICED): ["2", "10", "0", "0", "unpriced"],
+        ("alpha", MODEL): ["3", "0", "1,000,000", "500,000", "2,000", "6.0010"],
+        ("alpha", "none"): ["1", "1", "0", "0", "0", "0.0000"],
+        ("beta", MODEL): ["3", "2", "250,000", "0", "0", "0.5000"],
+        ("beta", UNPRICED): ["2", "0", "10", "0", "0", "unpriced"],
     }
-    assert lines[8].split() == ["total", "7", "1,250,010", "500,000", "2,000", "6.5010"]
+    assert lines[8].split() == ["total", "9", "3", "1,250,010", "500,000", "2,000", "6.5010"]
     assert lines[9] == f"No price configured (metering.prices) for: {UNPRICED}"
 
 
@@ -134,7 +137,10 @@ def test_usage_json_carries_rows_costs_and_the_total(forge_url, monkeypatch, cap
     assert costs[("beta", MODEL)] == pytest.approx(BETA_COST)
     assert costs[("beta", UNPRICED)] is None
     assert report["total"]["cost"] == pytest.approx(ALPHA_COST + BETA_COST)
-    assert report["total"]["requests"] == 7
+    assert report["total"]["requests"] == 9
+    assert report["total"]["error_requests"] == 3
+    errors = {(r["tenant"], r["model"]): r["errors"] for r in report["rows"]}
+    assert errors[("beta", MODEL)]["rate_limited"] == 2  # by class, as /admin/usage gives it
     assert costs[("alpha", "none")] == 0
     assert report["unpriced_models"] == [UNPRICED]
 
@@ -153,6 +159,12 @@ def test_usage_csv_has_a_header_and_a_row_per_tenant_and_model(forge_url, monkey
     )
     assert (row["requests"], row["prompt_tokens"], row["cached_tokens"]) == ("3", "1000000", "2000")
     assert float(row["cost"]) == pytest.approx(ALPHA_COST)
+    refused = rows[1]
+    assert (refused["requests"], refused["error_requests"], refused["errors_invalid"]) == (
+        "1",
+        "1",
+        "1",
+    )
 
 
 def test_usage_with_a_tenants_key_or_a_wrong_key_exits_1(forge_url, monkeypatch, capsys):
