@@ -26,6 +26,7 @@ from serve_app.engines.embeddings import (
     encode_vector,
     output_dimensions,
 )
+from serve_app.engines.logprobs import Logprobs, asked
 from serve_app.engines.output_rules import JsonShape, StopMatcher, stop_strings
 from serve_app.engines.paced import paced_tokens
 from serve_app.engines.simulated_llm import SimulatedLLM, SimulatedLLMConfig, TokenOutput
@@ -293,6 +294,7 @@ class SimulatedEngine(Engine):
                 async for item in items:
                     yield item
             return
+        described = _described(body, kind)
         ids, tokens, stopped = self._generate(body, kind, request_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         shown = body.get("include_reasoning") is not False  # vLLM's switch
@@ -313,7 +315,8 @@ class SimulatedEngine(Engine):
                     if out.reasoning and shown:
                         yield chunk.reasoning(out.reasoning)
                     if out.text:
-                        yield chunk.token(out.text)
+                        said = None if described is None else described.of(out.pieces)
+                        yield chunk.token(out.text, said)
                     if out.finish_reason is not None:
                         yield chunk.finish(out.finish_reason, stopped.string)
             done = True
@@ -336,6 +339,7 @@ class SimulatedEngine(Engine):
         """A benchmark's stream (``engines/paced.py``): off the batched steps, each token's
         text its emission time; usage as any stream's, abandoned usage when the caller left."""
         assert self.config.paced_tokens_per_s is not None
+        described = _described(body, kind)
         ids, max_tokens = self._prepare(body, kind)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage, self.stop_reason)
@@ -346,7 +350,7 @@ class SimulatedEngine(Engine):
                 if generated == 0 and kind == "chat":
                     yield chunk.role()
                 generated += 1
-                yield chunk.token(text)
+                yield chunk.token(text, None if described is None else described.of((text,)))
                 if last:
                     yield chunk.finish("length")
             usage = Usage(len(ids), generated, 0)
@@ -364,15 +368,19 @@ class SimulatedEngine(Engine):
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
         if calls:
             return await self._complete_calls(body, request_id, calls)
+        described = _described(body, kind)
         ids, tokens, stopped = self._generate(body, kind, request_id)
         pieces: list[str] = []
         thoughts: list[str] = []
+        said: list[dict] = []
         finish_reason = "stop"
         cached = generated = reasoning_tokens = 0
         async with contextlib.aclosing(tokens):
             async for out in tokens:
                 cached = out.cached
                 pieces.append(out.text)
+                if described is not None and out.pieces:
+                    said.append(described.of(out.pieces))
                 thoughts.append(out.reasoning)
                 generated += out.num_tokens
                 reasoning_tokens += out.num_reasoning
@@ -392,7 +400,7 @@ class SimulatedEngine(Engine):
         choice = {
             "index": 0,
             **answer,
-            "logprobs": None,
+            "logprobs": None if described is None else Logprobs.merged(said, kind),
             "finish_reason": finish_reason,
             **({"stop_reason": stopped.string} if self.stop_reason else {}),
         }
@@ -510,6 +518,9 @@ class _Shaped:
     cached: int
     num_tokens: int
     num_reasoning: int
+    # The answer's text by token, for log-probabilities (one piece where JSON mode or a stop
+    # string changed the text from the tokens').
+    pieces: tuple[str, ...] = ()
 
 
 async def _shaped(
@@ -540,7 +551,13 @@ async def _shaped(
                 stopped.set = True  # closing `tokens` below aborts the rest of the generation
                 stopped.string = matcher.matched
                 yield _Shaped(
-                    reasoning, text, "stop", out.num_cached_tokens, out.num_tokens, thought
+                    reasoning,
+                    text,
+                    "stop",
+                    out.num_cached_tokens,
+                    out.num_tokens,
+                    thought,
+                    _pieces(text, out.pieces[thought:]),
                 )
                 return
             if out.finish_reason is not None:
@@ -552,7 +569,22 @@ async def _shaped(
                 out.num_cached_tokens,
                 out.num_tokens,
                 thought,
+                _pieces(text, out.pieces[thought:]),
             )
+
+
+def _pieces(text: str, tokens: tuple[str, ...]) -> tuple[str, ...]:
+    """The answer's text by token: the tokens' own where the text is theirs, else one piece."""
+    if "".join(tokens) == text:
+        return tokens
+    return (text,) if text else ()
+
+
+def _described(body: dict, kind: Kind) -> Logprobs | None:
+    """The request's log-probabilities to come, where it asks for them (a 400 first where it
+    asks for more than vLLM gives)."""
+    top = asked(body, kind)
+    return None if top is None else Logprobs(kind, top)
 
 
 def _signature(call: ToolCall) -> dict:
@@ -597,13 +629,20 @@ class _ChunkFormat:
             b'"delta":{"reasoning":' + content + b'},"logprobs":null,"finish_reason":null'
         )
 
-    def token(self, text: str) -> bytes:
+    def token(self, text: str, logprobs: dict | None = None) -> bytes:
         content = orjson.dumps(text)
+        described = b"null" if logprobs is None else orjson.dumps(logprobs)
         if self._kind == "chat":
             return self._frame(
-                b'"delta":{"content":' + content + b'},"logprobs":null,"finish_reason":null'
+                b'"delta":{"content":'
+                + content
+                + b'},"logprobs":'
+                + described
+                + b',"finish_reason":null'
             )
-        return self._frame(b'"text":' + content + b',"logprobs":null,"finish_reason":null')
+        return self._frame(
+            b'"text":' + content + b',"logprobs":' + described + b',"finish_reason":null'
+        )
 
     def tool_call(
         self, index: int, arguments: str, call: ToolCall | None = None, gemini: bool = False

@@ -412,6 +412,66 @@ class EngineContract:
         ok = request_body(spec, "chat", stream=False, tools=[TOOL], tool_choice=_named("f"))
         await engine.complete(ok, "chat", "req-named")  # the same fields, right, are served
 
+    @pytest.mark.parametrize("streamed", [True, False], ids=["stream", "complete"])
+    async def test_chat_logprobs_describe_each_token_in_vllms_shape(self, engine, spec, streamed):
+        body = request_body(spec, "chat", stream=streamed, logprobs=True, top_logprobs=2)
+        if streamed:
+            chunks, usage = await collect(engine, body, "chat", "req-lp")
+            content = [
+                entry
+                for c in chunks
+                for choice in c["choices"]
+                if choice.get("logprobs")
+                for entry in choice["logprobs"]["content"]
+            ]
+        else:
+            response, usage = await engine.complete(body, "chat", "req-lp")
+            content = response["choices"][0]["logprobs"]["content"]
+        assert len(content) == usage.completion_tokens == SHORT
+        for entry in content:
+            assert isinstance(entry["token"], str) and entry["logprob"] <= 0
+            assert isinstance(entry["bytes"], list)
+            assert len(entry["top_logprobs"]) == 2
+            assert entry["top_logprobs"][0]["token"] == entry["token"]  # the sampled one first
+            assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+
+    @pytest.mark.parametrize("streamed", [True, False], ids=["stream", "complete"])
+    async def test_completion_logprobs_describe_each_token_in_vllms_shape(
+        self, engine, spec, streamed
+    ):
+        body = request_body(spec, "completion", stream=streamed, logprobs=2)
+        if streamed:
+            chunks, usage = await collect(engine, body, "completion", "req-lp")
+            parts = [
+                choice["logprobs"] for c in chunks for choice in c["choices"] if choice["logprobs"]
+            ]
+            tokens = [t for p in parts for t in p["tokens"]]
+            offsets = [o for p in parts for o in p["text_offset"]]
+            values = [v for p in parts for v in p["token_logprobs"]]
+            tops = [t for p in parts for t in p["top_logprobs"]]
+        else:
+            response, usage = await engine.complete(body, "completion", "req-lp")
+            said = response["choices"][0]["logprobs"]
+            tokens, offsets = said["tokens"], said["text_offset"]
+            values, tops = said["token_logprobs"], said["top_logprobs"]
+        assert len(tokens) == len(offsets) == len(values) == len(tops) == usage.completion_tokens
+        assert offsets == sorted(offsets)  # running on across chunks
+        assert all(v <= 0 for v in values)
+        for token, value, top in zip(tokens, values, tops, strict=True):
+            assert top[token] == value and 1 <= len(top) <= 3  # k alternatives and the token
+
+    @pytest.mark.parametrize("kind", KINDS)
+    async def test_no_logprobs_unless_asked(self, engine, spec, kind):
+        response, _ = await engine.complete(request_body(spec, kind, stream=False), kind, "r")
+        assert response["choices"][0]["logprobs"] is None
+
+    async def test_more_logprobs_than_vllm_gives_is_a_400(self, engine, spec):
+        body = request_body(spec, "chat", stream=False, logprobs=True, top_logprobs=21)
+        with pytest.raises(ForgeError) as caught:
+            await engine.complete(body, "chat", "req-lp-many")
+        assert caught.value.status == 400
+        assert "max allowed: 20" in caught.value.message
+
     async def test_stats_are_engine_stats_and_idle_at_rest(self, engine, spec):
         await self.settled(spec, idle(engine), "idle")
         stats = engine.stats()
