@@ -81,8 +81,14 @@ def _answers(address: str) -> bool:
 def _config_check(args: argparse.Namespace) -> int:
     import yaml
 
-    from serve_app.config.live import live_digest, serve_config_forge
+    from serve_app.config.live import (
+        GATEWAY_DEPLOYMENT,
+        gateway_user_config,
+        live_digest,
+        serve_config_forge,
+    )
     from serve_app.config.models import ConfigError
+    from serve_app.config.serve_file import serve_file_problems
 
     try:
         with open(args.file) as f:
@@ -90,14 +96,33 @@ def _config_check(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError) as err:
         print(f"forge config check: {err}", file=sys.stderr)
         return 2
-    apps = [a for a in document.get("applications") or [] if a.get("name") == args.app]
+    shape = serve_file_problems(document)
+    if shape:
+        print(f"invalid Serve config {args.file}:\n" + "\n".join(shape), file=sys.stderr)
+        return 1
+    apps = [a for a in document["applications"] if a.get("name") == args.app]
     if not apps:
         print(f"forge config check: no application named {args.app!r}", file=sys.stderr)
         return 2
     try:
         config = serve_config_forge(document, args.app)  # and each pool's own application
+        mounted = _key_files_read(config)  # as the gateway reads them, where they are here
     except ConfigError as err:
         print(err, file=sys.stderr)
+        return 1
+    except ValueError as err:
+        print(f"invalid key file: {err}", file=sys.stderr)
+        return 1
+    if not config.tenants:
+        # What the gateway's start-up refuses (``GatewayIngress.check_health``).
+        where = "its gateway deployment's user_config"
+        if gateway_user_config(apps[0]) is None:
+            where = f"a deployment named {GATEWAY_DEPLOYMENT!r} with a user_config (none here)"
+        print(
+            f"no tenants: the gateway would not start; list them in {where} or in the "
+            "application's args",
+            file=sys.stderr,
+        )
         return 1
     tenants = ", ".join(t.name for t in config.tenants)
     apart = [p["app"] for p in apps[0].get("args", {}).get("pools", []) if p.get("app")]
@@ -107,8 +132,32 @@ def _config_check(args: argparse.Namespace) -> int:
         + (f" ({len(apart)} in applications of their own: {', '.join(apart)})" if apart else "")
         + (f"; schedulers and breaker board in {control}" if control else "")
         + f"; live configuration {live_digest(config)}"
+        + "".join(f"; {line}" for line in mounted)
     )
     return 0
+
+
+def _key_files_read(config) -> list[str]:
+    """The mounted key files the config names, read and checked as a gateway reads them
+    (``KeyRing``, ``AdminKeys``) where they exist on this machine; said where they do not."""
+    import os
+
+    from serve_app.auth.keys import AdminKeys, KeyRing
+
+    said = []
+    for field, path in (
+        ("key_hashes_file", config.key_hashes_file),
+        ("admin.key_hashes_file", config.admin.key_hashes_file),
+    ):
+        if path and not os.path.exists(path):
+            said.append(f"{field} {path} not on this machine: not checked")
+    if config.key_hashes_file and os.path.exists(config.key_hashes_file):
+        KeyRing.from_config(config)
+        said.append(f"{config.key_hashes_file} read")
+    if config.admin.key_hashes_file and os.path.exists(config.admin.key_hashes_file):
+        AdminKeys.from_config(config)
+        said.append(f"{config.admin.key_hashes_file} read")
+    return said
 
 
 def _usage(args: argparse.Namespace) -> int:

@@ -439,7 +439,7 @@ def build_admin_api(
         return app.openapi_schema
 
     app.openapi = openapi
-    app.state.admin_keys = AdminKeys.from_config(config)
+    app.state.admin_keys = AdminKeys.from_config(config, keyring)
     app.state.keyring = keyring
     app.state.auth_throttle = auth_throttle
     return app

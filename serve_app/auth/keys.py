@@ -36,7 +36,21 @@ class KeyRing:
         self._by_hash: dict[str, tuple[str, TenantConfig]] = {}
         for tenant in tenants:
             for h in (*tenant.key_hashes, *extra_hashes.get(tenant.name, ())):
+                held = self._by_hash.get(h)
+                if held is not None and held[1].name != tenant.name:
+                    # The config refuses this within its own tenants; a key file must not
+                    # quietly move a key to another tenant either.
+                    raise ValueError(
+                        f"key hash {h[:12]}... is listed for two tenants, {held[1].name!r} and "
+                        f"{tenant.name!r} (the config's tenants and key_hashes_file): one key, "
+                        "one tenant"
+                    )
                 self._by_hash[h] = (h, tenant)
+
+    @property
+    def hashes(self) -> set[str]:
+        """Every tenant key's digest (an admin key must be none of them)."""
+        return set(self._by_hash)
 
     @classmethod
     def from_config(cls, config: ForgeConfig) -> KeyRing:
@@ -65,12 +79,13 @@ class AdminKeys:
         self._hashes = {h: h for h in hashes}
 
     @classmethod
-    def from_config(cls, config: ForgeConfig) -> AdminKeys:
+    def from_config(cls, config: ForgeConfig, tenants: KeyRing | None = None) -> AdminKeys:
+        """``tenants``: the tenants' keys as served (the key file's too; read here if None)."""
         hashes = list(config.admin.key_hashes)
         if config.admin.key_hashes_file:
             hashes += load_admin_hashes_file(config.admin.key_hashes_file)
-        tenants = {h for t in config.tenants for h in t.key_hashes}
-        if tenants & set(hashes):
+        tenants = tenants if tenants is not None else KeyRing.from_config(config)
+        if tenants.hashes & set(hashes):
             raise ValueError("admin.key_hashes_file: a tenant's key must not be an admin key too")
         return cls(hashes)
 

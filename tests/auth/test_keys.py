@@ -102,6 +102,44 @@ def test_key_hashes_file_adds_keys_for_known_tenants(tmp_path):
     assert ring.tenant_for("Bearer sk-from-secret").name == "alpha"
 
 
+def test_a_key_file_cannot_move_a_key_to_another_tenant(tmp_path):
+    """The config refuses one hash under two tenants; a key file listing a tenant's hash under
+    another tenant was served as the file's tenant (its budgets, its usage), unsaid."""
+    from serve_app.config.models import load_config
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"beta: [{hash_key('sk-alpha-key')}]\n")
+    config = load_config(
+        {
+            "tenants": [
+                {"name": "alpha", "key_hashes": [hash_key("sk-alpha-key")]},
+                {"name": "beta", "key_hashes": []},
+            ],
+            "key_hashes_file": str(path),
+            "pools": [{"name": "primary", "model": "m"}],
+        }
+    )
+    with pytest.raises(ValueError, match="listed for two tenants, 'alpha' and 'beta'"):
+        KeyRing.from_config(config)
+
+
+def test_a_tenants_key_from_the_key_file_is_no_admin_key(tmp_path):
+    from serve_app.config.models import load_config
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"alpha: [{hash_key('sk-shared')}]\n")
+    config = load_config(
+        {
+            "tenants": [{"name": "alpha", "key_hashes": []}],
+            "key_hashes_file": str(keys),
+            "admin": {"key_hashes": [hash_key("sk-shared")]},
+            "pools": [{"name": "primary", "model": "m"}],
+        }
+    )
+    with pytest.raises(ValueError, match="must not be an admin key too"):
+        AdminKeys.from_config(config)
+
+
 @pytest.mark.parametrize(
     "content", ["gamma: []\n", "alpha: not-a-list\n", "alpha: [abc]\n", "- just a list\n"]
 )
