@@ -30,6 +30,10 @@ def _keys_new(args: argparse.Namespace) -> int:
     print(f"API key for tenant {args.tenant} (shown once, store it now):\n  {key}\n")
     print("Add its hash to the tenant in your Forge config:")
     print(f"  - name: {args.tenant}\n    key_hashes: [{digest}]")
+    print("or to the mounted key file (key_hashes_file: {tenant: [sha256, ...]}):")
+    print(f"  {args.tenant}: [{digest}]")
+    print("or, for an operator's key, to admin.key_hashes (or its file: [sha256, ...]):")
+    print(f"  - {digest}")
     return 0
 
 

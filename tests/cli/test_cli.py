@@ -19,12 +19,21 @@ from serve_app.metering.sqlite import SqliteBook
 from tests.polling import eventually
 
 
-def test_keys_new_prints_a_key_and_the_hash_of_that_key(capsys):
+def test_keys_new_prints_a_key_and_the_hash_of_that_key(capsys, tmp_path):
     assert cli.main(["keys", "new", "--tenant", "team-a"]) == 0
     out = capsys.readouterr().out
     key = next(w for w in out.split() if w.startswith("sk-forge-"))
     assert hashlib.sha256(key.encode()).hexdigest() in out
     assert "- name: team-a" in out
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    # Each line as the file it goes into takes it: the config, the key file, the admin keys.
+    from serve_app.auth.keys import load_key_hashes_file
+
+    line = next(x.strip() for x in out.splitlines() if x.strip().startswith("team-a:"))
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(line + "\n")
+    assert load_key_hashes_file(str(keys), ["team-a"]) == {"team-a": [digest]}
+    assert f"  - {digest}" in out
 
 
 @pytest.mark.parametrize("tenant", ["", "a: b #c", "-x"])
