@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.config.base import NAME, Strict
+from serve_app.config.base import NAME, EnvName, Strict
 from serve_app.config.traffic import ModelPolicy
 from serve_app.kvcache.curve import curve_available
 from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES
@@ -245,9 +245,7 @@ class KvEventsConfig(_Strict):
     auth: Literal["curve", "none"] = "curve"
     # The secret key (Z85) of the cluster's one keypair, from this variable (a Kubernetes
     # secret); unset in the process: a keypair made for the Ray cluster, kept in its GCS.
-    curve_secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = (
-        "FORGE_KV_CURVE_SECRET"
-    )
+    curve_secret_env: EnvName = "FORGE_KV_CURVE_SECRET"
     # The largest message a router takes: a snapshot, ~9 bytes a block (16 MiB: 1.8M blocks).
     max_message_bytes: Annotated[int, Field(ge=64 * 1024)] = DEFAULT_MAX_MESSAGE_BYTES
     # Snapshot requests a replica answers per peer address: a burst, then so many a second.
@@ -386,7 +384,8 @@ class PoolConfig(_Strict):
                 raise ValueError(
                     f"pool {data.get('name', 'primary')}: {', '.join(theirs)}: set in "
                     f"application {data['app']!r}'s args (the pool runs there), not in the "
-                    "gateway's"
+                    "gateway's (in the pool's own application, a pool names no app: take "
+                    "app out of an anchor both share)"
                 )
         return data
 
@@ -402,6 +401,17 @@ class PoolConfig(_Strict):
                 )
             data = {**data, "fallback": False}
         return data
+
+    @model_validator(mode="after")
+    def _default_max_tokens_fits(self) -> PoolConfig:
+        window = self.context_limit()
+        if window is not None and self.task == "generate" and self.default_max_tokens >= window:
+            raise ValueError(
+                f"pool {self.name}: default_max_tokens ({self.default_max_tokens}) leaves no "
+                f"room for a prompt in its context window ({window}): every request without "
+                "max_tokens would be refused"
+            )
+        return self
 
     @model_validator(mode="after")
     def _adapters(self) -> PoolConfig:
@@ -491,7 +501,7 @@ class FallbackConfig(_Strict):
     # The upstream's model name; requests for a pool's model are rewritten to it on failover.
     model: Annotated[str, Field(min_length=1)]
     # Name of the environment variable holding the API key (a secret: never in config).
-    api_key_env: str | None = None
+    api_key_env: EnvName | None = None
     # How Forge authenticates upstream: "api_key" (a bearer key from ``api_key_env``),
     # "gcp_metadata" (a short-lived token from the GCE/GKE metadata server: workload identity,
     # no secret to rotate) or "none". Unset: "api_key" when ``api_key_env`` is set, else "none".
@@ -552,7 +562,7 @@ class _StoreEndpoint(_Strict):
     # Naming a variable is configuring Redis: if it is unset at start-up, start-up fails; the
     # embedded store is never a silent substitute (it would give each gateway its own budget).
     redis_url: str | None = None
-    redis_url_env: str | None = None
+    redis_url_env: EnvName | None = None
     key_prefix: str = "forge:"
     # Per call: the store is on the request path and fails open, so slow means gone.
     timeout_s: Annotated[float, Field(gt=0)] = 0.05
@@ -571,7 +581,14 @@ class _StoreEndpoint(_Strict):
         import os
 
         if self.redis_url_env and os.environ.get(self.redis_url_env):
-            return os.environ[self.redis_url_env]
+            url = os.environ[self.redis_url_env]
+            if url.split("://", 1)[0] not in ("redis", "rediss", "unix") or "://" not in url:
+                # Said without the value: a URL may hold a password.
+                raise ConfigError(
+                    f"{self.config_path}.redis_url_env names {self.redis_url_env}, which does "
+                    "not hold a Redis URL (redis://, rediss:// or unix://host:port/db)"
+                )
+            return url
         if self.redis_url_env and not self.redis_url:
             raise ConfigError(
                 f"{self.config_path}.redis_url_env names {self.redis_url_env}, which is not set "
@@ -653,7 +670,7 @@ class MeteringConfig(_Strict):
     # naming it is configuring it, so an unset variable stops start-up. Without it, SQLite in
     # the file at sqlite_path (a laptop's; every gateway replica of the machine shares it;
     # None: ~/.local/share/forge/usage.sqlite3, ``metering.ledger.DEFAULT_SQLITE_PATH``).
-    database_url_env: str | None = None
+    database_url_env: EnvName | None = None
     sqlite_path: str | None = None
     # How long a day's counts are kept: long enough for a year's invoices and their disputes.
     retention_days: Annotated[int, Field(gt=0, le=3660)] = 400
@@ -668,6 +685,15 @@ class MeteringConfig(_Strict):
     journal_dir: str | None = None
     currency: str = "USD"
     prices: dict[str, ModelPrice] = Field(default_factory=dict)  # served model name → price
+
+    @model_validator(mode="after")
+    def _one_ledger(self) -> MeteringConfig:
+        if self.database_url_env and self.sqlite_path:
+            raise ValueError(
+                "metering: database_url_env and sqlite_path name two ledgers; the PostgreSQL "
+                "one is used, so drop sqlite_path (or database_url_env, for the file)"
+            )
+        return self
 
 
 class AdminConfig(_Strict):

@@ -11,7 +11,7 @@ weight goes 5 → 25 → 100 without replacing a replica. ``serve_app/traffic/``
 from __future__ import annotations
 
 from collections import Counter
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -36,6 +36,15 @@ FALLBACK = "fallback"  # a chain step naming the external fallback backend
 class ChainStep(Strict):
     pool: Annotated[str, Field(pattern=NAME)]  # a pool's name, or "fallback"
     when: tuple[Condition, ...] = CONDITIONS  # not `on`: YAML reads that key as true
+
+    @model_validator(mode="before")
+    @classmethod
+    def _on_read_as_true(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (True in data or "on" in data):
+            raise ValueError(
+                "a chain step's conditions go under 'when:' ('on:' is YAML's true, unquoted)"
+            )
+        return data
 
 
 class Variant(Strict):

@@ -356,6 +356,12 @@ def build_book(config: MeteringConfig) -> UsageBook:
                 f"metering.database_url_env names {config.database_url_env}, which is unset: "
                 "export the PostgreSQL URL there (or drop it for the SQLite file)"
             )
+        if urlsplit(url).scheme not in ("postgresql", "postgres"):
+            # A malformed URL would fail every write, retried for ever as an outage would be.
+            raise ConfigError(
+                f"metering.database_url_env names {config.database_url_env}, which does not "
+                "hold a PostgreSQL URL (postgresql://user@host:5432/database)"
+            )
         return PostgresBook(url, retention_days=config.retention_days)
     path = config.sqlite_path or DEFAULT_SQLITE_PATH
     return SqliteBook(path, retention_days=config.retention_days)

@@ -58,7 +58,9 @@ class QuotaStage:
         self.metrics = metrics
         self.quotas = {t.name: TenantQuota.of(t) for t in tenants}
         self.default_max_tokens = default_max_tokens
-        self._store_failed = StoreFailures(metrics, "serving unmetered")
+        self._store_failed = StoreFailures(
+            metrics, "budgets held as each tenant's on_store_failure says (local, open, closed)"
+        )
         self.leases = LeaseKeeper(LEASE_TTL_S, self._store_failed)
         self.settles = settles or Settles(StoreFailures(metrics, "retried until it lands"))
         self.settle_store = settle_store or store

@@ -21,7 +21,7 @@ WARN_EVERY_S = 30.0
 class StoreFailures:
     def __init__(self, metrics: ForgeMetrics, consequence: str) -> None:
         self.metrics = metrics
-        self.consequence = consequence  # what it means for requests: "serving unmetered"
+        self.consequence = consequence  # what it means for requests: "retried until it lands"
         self._last_warning = -WARN_EVERY_S
 
     def __call__(self, op: str, exc: StoreError) -> None:

@@ -10,7 +10,7 @@ import yaml
 
 from serve_app.auth.keys import KeyRing, hash_key
 from serve_app.config.live import gateway_user_config, serve_config_forge
-from serve_app.config.models import ConfigError, ForgeConfig, load_config
+from serve_app.config.models import ConfigError, ForgeConfig, MeteringConfig, load_config
 from serve_app.store import GuardedStore, MemoryStore, build_store, build_stores
 
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
@@ -388,3 +388,61 @@ def test_vllm_max_lora_rank_is_one_of_vllms_choices():
     args = adapter_args()
     args["pools"][0]["engine"] = {"kind": "vllm", "model": "/m", "max_lora_rank": 12}
     assert "pools.0.engine.max_lora_rank" in config_error(args)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        lambda a: a.setdefault("store", {}).update(redis_url_env="redis://:s3cret@h:6379/0"),
+        lambda a: a.setdefault("metering", {}).update(
+            database_url_env="postgresql://forge:s3cret@db:5432/usage"
+        ),
+    ],
+    ids=["store", "ledger"],
+)
+def test_a_url_where_a_variable_name_belongs_is_refused_unechoed(where):
+    """It would be looked up as a variable, found unset, and echoed, password and all."""
+    args = minimal()
+    where(args)
+    message = config_error(args)
+    assert "expected the name of an environment variable" in message and "a URL" in message
+    assert "s3cret" not in message
+
+
+def test_a_variable_that_holds_no_url_of_its_kind_stops_start_up(monkeypatch):
+    from serve_app.metering.ledger import build_book
+
+    monkeypatch.setenv("FORGE_TEST_REDIS", "127.0.0.1:6379")
+    args = minimal() | {"store": {"redis_url_env": "FORGE_TEST_REDIS"}}
+    with pytest.raises(ConfigError, match="FORGE_TEST_REDIS, which does not hold a Redis URL"):
+        load_config(args).store.resolved_url()
+    monkeypatch.setenv("FORGE_TEST_LEDGER", "127.0.0.1:5432")
+    with pytest.raises(ConfigError, match="FORGE_TEST_LEDGER, which does not hold a PostgreSQL"):
+        build_book(MeteringConfig(database_url_env="FORGE_TEST_LEDGER"))
+
+
+def test_a_default_max_tokens_the_window_cannot_hold_is_refused():
+    """Every request without max_tokens was vLLM's 400 for a max_tokens the client never sent."""
+    args = minimal()
+    args["pools"][0] |= {"context_window": 2048, "default_max_tokens": 4096}
+    assert "default_max_tokens (4096) leaves no room for a prompt" in config_error(args)
+    args["pools"][0]["default_max_tokens"] = 1024
+    load_config(args)
+
+
+def test_two_ledgers_named_at_once_are_refused():
+    args = minimal() | {"metering": {"database_url_env": "X", "sqlite_path": "/tmp/u.sqlite3"}}
+    assert "name two ledgers" in config_error(args)
+
+
+def test_a_chain_step_written_with_on_says_when():
+    """YAML reads an unquoted ``on:`` as true: the message was "Keys should be strings"."""
+    args = minimal()
+    args["models"] = yaml.safe_load(
+        """
+        - name: chat
+          variants: [{name: stable, pool: primary}]
+          chain: [{pool: fallback, on: [breaker_open]}]
+        """
+    )
+    assert "conditions go under 'when:' ('on:' is YAML's true" in config_error(args)
