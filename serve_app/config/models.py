@@ -405,11 +405,11 @@ class PoolConfig(_Strict):
     @model_validator(mode="after")
     def _default_max_tokens_fits(self) -> PoolConfig:
         window = self.context_limit()
-        if window is not None and self.task == "generate" and self.default_max_tokens >= window:
+        if window is not None and self.task == "generate" and self.default_max_tokens > window:
             raise ValueError(
-                f"pool {self.name}: default_max_tokens ({self.default_max_tokens}) leaves no "
-                f"room for a prompt in its context window ({window}): every request without "
-                "max_tokens would be refused"
+                f"pool {self.name}: default_max_tokens ({self.default_max_tokens}) is more than "
+                f"its context window ({window}): every request without max_tokens would be "
+                "refused (vLLM's 400 for a max_tokens past max_model_len)"
             )
         return self
 

@@ -86,19 +86,41 @@ class ParseStage:
             ctx.target = self._with_adapter(ctx, target)
             return await call_next(ctx)
         try:
-            placed = place(
-                target,
-                ctx.counted_prompt(),
-                ctx.parsed.output_limit(),
-                truncated=TRUNCATE_KEY in ctx.body,
-            )
-            ctx.target = self._with_adapter(ctx, placed)
+            target = self._placed(ctx, target)
+            ctx.target = self._with_adapter(ctx, target)
             response = await call_next(ctx)
         except errors.ForgeError as err:  # the variant's own errors say which it was
             err.headers[VARIANT_HEADER] = target.variant
             raise
         response.headers[VARIANT_HEADER] = target.variant
         return response
+
+    def _placed(self, ctx: RequestContext, target: Target) -> Target:
+        """``target`` placed on the step its length starts on (``traffic.policy.place``); a
+        request too long for every step of its variant goes to another variant that takes
+        it, and only where none does is it the 400, naming the longest window of them all."""
+        assert self.policy is not None
+        prompt, output = ctx.counted_prompt(), ctx.parsed.output_limit()
+        truncated = TRUNCATE_KEY in ctx.body
+        try:
+            return place(target, prompt, output, truncated=truncated)
+        except errors.ForgeError as err:
+            if err.code != "context_length_exceeded":
+                raise
+            refused = err
+        for other in self.policy.other_variants(target):
+            try:
+                return place(other, prompt, output, truncated=truncated)
+            except errors.ForgeError as err:
+                if err.code != "context_length_exceeded":
+                    raise
+        windows = [
+            s.context or 0 for t in (target, *self.policy.other_variants(target)) for s in t.steps
+        ]
+        needed = prompt + (output or target.steps[0].default_max_tokens)
+        if max(windows, default=0) > 0:
+            raise errors.context_length_exceeded(target.model, needed, max(windows)) from None
+        raise refused
 
     def _may_call(self, ctx: RequestContext, model: str) -> bool:
         if self.policy is not None:

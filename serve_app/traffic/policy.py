@@ -208,10 +208,15 @@ class TrafficPolicy:
         index = next((i for upper, i in self._bounds[model] if point < upper), None)
         if index is None:  # the top of the range, by float rounding
             index = self._bounds[model][-1][1]
-        route = entry.routes[index]
         shadow = policy.shadow
         if shadow is not None and random.random() * 100.0 >= shadow.percent:
             shadow = None
+        return self._variant(model, entry, index, shadow)
+
+    def _variant(
+        self, model: str, entry: _Entry, index: int, shadow: ShadowConfig | None = None
+    ) -> Target:
+        policy, route = entry.policy, entry.routes[index]
         return Target(
             model,
             route,
@@ -221,6 +226,22 @@ class TrafficPolicy:
             policy.overload_wait_s,
             adapter=policy.variants[index].adapter,
         )
+
+    def other_variants(self, target: Target) -> list[Target]:
+        """The variants of ``target``'s model besides its own that take traffic now, heaviest
+        first: where a request is too long for the one its key chose (a canary on a pool with
+        a smaller window), one that takes it serves it, rather than a 400."""
+        entry = self.entries.get(target.model)
+        if entry is None or target.variant is None:
+            return []
+        live = {i for _, i in self._bounds[target.model]}
+        variants = entry.policy.variants
+        order = sorted(live, key=lambda i: -variants[i].weight)
+        return [
+            self._variant(target.model, entry, i)
+            for i in order
+            if variants[i].name != target.variant
+        ]
 
 
 def _cumulative(entry: _Entry, aborted: Collection[tuple[str, str]]) -> list[tuple[float, int]]:

@@ -425,7 +425,7 @@ def test_a_default_max_tokens_the_window_cannot_hold_is_refused():
     """Every request without max_tokens was vLLM's 400 for a max_tokens the client never sent."""
     args = minimal()
     args["pools"][0] |= {"context_window": 2048, "default_max_tokens": 4096}
-    assert "default_max_tokens (4096) leaves no room for a prompt" in config_error(args)
+    assert "default_max_tokens (4096) is more than its context window (2048)" in config_error(args)
     args["pools"][0]["default_max_tokens"] = 1024
     load_config(args)
 

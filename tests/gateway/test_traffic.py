@@ -241,6 +241,22 @@ async def test_a_prompt_too_long_for_the_pool_goes_to_the_larger_one_or_is_a_cle
     assert "takes 256" in refused.value.body["message"]
 
 
+async def test_a_prompt_too_long_for_the_variant_drawn_is_served_by_one_that_takes_it(gateway):
+    """chat's stable variant (primary, 256 tokens) beside its canary (8,192): a long prompt
+    drawn to stable was a 400 saying the longest window chat could route to was 256."""
+    long_text = "word " * 400
+    async with client(gateway) as alpha:
+        variants = Counter()
+        for _ in range(8):  # sticky per request: both variants are drawn
+            raw = await alpha.chat.completions.with_raw_response.create(**ask("chat", long_text))
+            variants[raw.headers["x-forge-variant"]] += 1
+        assert variants == {"canary": 8}
+        with pytest.raises(openai.BadRequestError) as refused:
+            await alpha.chat.completions.create(**ask("chat", "word " * 9000))
+    assert refused.value.body["code"] == "context_length_exceeded"
+    assert "takes 8192" in refused.value.body["message"]  # the longest of every variant's
+
+
 async def test_shadow_copies_change_neither_the_answer_nor_the_tenants_usage(monkeypatch):
     monkeypatch.setenv(KEY_ENV, UPSTREAM_KEY)
     shadowed = {
