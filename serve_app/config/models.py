@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from serve_app.config.base import NAME, EnvName, Strict
-from serve_app.config.traffic import ModelPolicy
+from serve_app.config.traffic import FALLBACK, ModelPolicy
 from serve_app.kvcache.curve import curve_available
 from serve_app.kvcache.events import DEFAULT_MAX_MESSAGE_BYTES
 from serve_app.routing.registry import KV_EVENT_POLICIES, POLICY_NAMES, build_policy
@@ -789,6 +789,18 @@ class ForgeConfig(_Strict):
                 f"models.{i}", pools, self.fallback is not None, public
             )
             public.add(policy.name)
+        closed = {p.name for p in self.pools if not p.fallback}
+        for i, policy in enumerate(self.models):
+            kept = sorted({v.pool for v in policy.variants} & closed)
+            for j, step in enumerate(policy.chain or []):
+                if step.pool == FALLBACK and kept:
+                    # The pool's word holds for every name that reaches it (an embedding
+                    # pool's vectors, a tenant's data that must stay on the platform).
+                    problems.append(
+                        f"models.{i}.chain.{j}.pool: pool {kept[0]!r} has fallback: false, so "
+                        "its requests never go to the fallback; drop this step (or allow the "
+                        "fallback on the pool)"
+                    )
         by_model = {p.model: p for p in self.pools}
         adapters = {f"{p.model}:{a.name}" for p in self.pools for a in p.adapters}
         tenants = {t.name for t in self.tenants}

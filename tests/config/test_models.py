@@ -446,3 +446,21 @@ def test_a_chain_step_written_with_on_says_when():
         """
     )
     assert "conditions go under 'when:' ('on:' is YAML's true" in config_error(args)
+
+
+def test_an_alias_cannot_take_a_pool_that_refuses_the_fallback_to_it():
+    """A pool's ``fallback: false`` held for its own name only: an alias chained to the
+    fallback over it was served there (``x-forge-backend: fallback``)."""
+    args = minimal()
+    args["pools"][0] |= {"name": "private", "fallback": False}
+    args["fallback"] = {"base_url": "http://upstream.test/v1", "model": "ext"}
+    args["models"] = [
+        {
+            "name": "cheap",
+            "variants": [{"name": "main", "pool": "private"}],
+            "chain": [{"pool": "fallback"}],
+        }
+    ]
+    assert "pool 'private' has fallback: false" in config_error(args)
+    args["pools"][0]["fallback"] = True
+    load_config(args)
