@@ -179,8 +179,8 @@ def serve_config_forge(serve_config: Mapping[str, Any], app: str = "forge") -> F
         window, engine_len = pool.context_window, theirs.engine.max_model_len
         if window is not None and engine_len is not None and window > engine_len:
             problems.append(
-                f"  pools.{i}.context_window: {window} is more than application {pool.app!r}'s "
-                f"engine.max_model_len ({engine_len})"
+                f"  pools.{i}.context_window: {window} is more than the engine.max_model_len "
+                f"({engine_len}) of application {pool.app!r}"
             )
         for field in POOL_SHARED_FIELDS:
             if getattr(theirs, field) != getattr(pool, field):

@@ -382,8 +382,8 @@ class PoolConfig(_Strict):
             theirs = sorted(POOL_APP_FIELDS & set(data))
             if theirs:
                 raise ValueError(
-                    f"pool {data.get('name', 'primary')}: {', '.join(theirs)}: set in "
-                    f"application {data['app']!r}'s args (the pool runs there), not in the "
+                    f"pool {data.get('name', 'primary')}: {', '.join(theirs)}: set in the "
+                    f"args of application {data['app']!r} (the pool runs there), not in the "
                     "gateway's (in the pool's own application, a pool names no app: take "
                     "app out of an anchor both share)"
                 )

@@ -327,7 +327,7 @@ def test_config_check_holds_the_gateway_and_its_pools_applications_to_each_other
     document["applications"][0]["args"]["pools"][0]["engine"] = {"kind": "simulated"}  # a default
     bad.write_text(yaml.safe_dump(document))
     assert cli.main(["config", "check", str(bad)]) == 1
-    assert "engine: set in application 'forge-pool-primary'" in capsys.readouterr().err
+    assert "engine: set in the args of application 'forge-pool-primary'" in capsys.readouterr().err
 
 
 def test_config_check_holds_the_gateway_and_its_control_application_to_each_other(tmp_path, capsys):
