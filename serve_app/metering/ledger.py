@@ -259,7 +259,10 @@ class UsageLedger:
 
     async def _adopt_forever(self) -> None:
         while True:
-            await self.adopt()
+            try:
+                await self.adopt()
+            except Exception:  # the next round tries again; this one is said
+                logger.exception("adopting dead replicas' usage journals failed")
             await asyncio.sleep(ADOPT_EVERY_S)
 
     async def adopt(self) -> int:
