@@ -130,7 +130,6 @@ class SimulatedEngine(Engine):
         return adapter
 
     def _prepare(self, body: dict, kind: Kind) -> tuple[list[int], int]:
-        check_request(body, kind)  # what vLLM's serving layer refuses, refused here too
         field = "messages" if kind == "chat" else "prompt"
         if body.get("continue_final_message") and body.get("add_generation_prompt", True):
             raise errors.invalid_request(  # vLLM's check, in its words
@@ -283,6 +282,9 @@ class SimulatedEngine(Engine):
         return self._response("chat", request_id, choice, usage), usage
 
     async def stream(self, body: dict, kind: Kind, request_id: str) -> AsyncIterator[bytes | Usage]:
+        # What vLLM's serving layer refuses is refused first, before anything reads the body:
+        # a malformed field is the client's 400, never a replica's 5xx (a breaker's failure).
+        check_request(body, kind)
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
         if calls:
             async with contextlib.aclosing(self._stream_calls(body, request_id, calls)) as items:
@@ -365,6 +367,7 @@ class SimulatedEngine(Engine):
     async def complete(self, body: dict, kind: Kind, request_id: str) -> tuple[dict, Usage]:
         if kind == "embedding":
             return await self._embed(body, request_id)
+        check_request(body, kind)  # first, as ``stream``'s
         calls = plan_tool_calls(body, request_id) if kind == "chat" else []
         if calls:
             return await self._complete_calls(body, request_id, calls)

@@ -390,6 +390,7 @@ class EngineContract:
         ("fields", "named"),
         [
             ({"tools": "x"}, "tools"),
+            ({"tools": True}, "tools"),
             ({"tools": []}, "tools"),
             ({"tool_choice": "required"}, "tool_choice"),
             ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
@@ -471,6 +472,14 @@ class EngineContract:
             await engine.complete(body, "chat", "req-lp-many")
         assert caught.value.status == 400
         assert "max allowed: 20" in caught.value.message
+
+    @pytest.mark.parametrize("tools", [True, 5, {"type": "function"}])
+    async def test_malformed_tools_are_a_400_streamed_too(self, engine, spec, tools):
+        """Not a replica's 5xx: that counts against the pool's breaker, for every tenant."""
+        body = request_body(spec, "chat", stream=True, tools=tools)
+        with pytest.raises(ForgeError) as caught:
+            await collect(engine, body, "chat", "req-bad-tools")
+        assert caught.value.status == 400
 
     async def test_stats_are_engine_stats_and_idle_at_rest(self, engine, spec):
         await self.settled(spec, idle(engine), "idle")
