@@ -56,7 +56,9 @@ class ParseStage:
         else:  # the client's API, as the chat body every later stage and backend reads
             body = await self.dialects[ctx.dialect].to_chat(protocol.load_object(raw), ctx)
             ctx.body, ctx.parsed = body, protocol.validate(body, _MODELS[ctx.route])
-        messages = getattr(ctx.parsed, "messages", None)
+        # Chat's messages, validated as a list; another route's ``messages`` is a stray field
+        # (its models let extra fields through to the engine), never counted here.
+        messages = ctx.parsed.messages if ctx.route == "chat" else None
         if messages is not None and len(messages) > self.max_messages:
             raise errors.invalid_request(
                 f"This request has {len(messages)} messages; this gateway accepts at most "

@@ -218,6 +218,15 @@ async def test_too_many_messages_is_a_400_naming_messages(limited):
     assert (error["code"], error["param"]) == ("too_many_messages", "messages")
 
 
+@pytest.mark.parametrize("stray", [1, True, 1.5, 10**30])
+async def test_a_stray_messages_field_on_completions_is_no_500(limited, stray):
+    """``len(messages)`` of a completion's stray field was the gateway's own 500."""
+    body = {"model": ASK["model"], "prompt": "hi", "max_tokens": 2, "messages": stray}
+    async with http(limited) as h:
+        response = await h.post("/v1/completions", json=body, headers=bearer(KEY))
+    assert response.status_code < 500, response.text
+
+
 async def test_oversized_headers_are_a_431_on_every_route(limited):
     flood = {f"x-junk-{i}": "y" * 40 for i in range(60)}  # ~3 KiB of small headers
     async with http(limited) as h:

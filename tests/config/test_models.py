@@ -318,7 +318,9 @@ def test_a_pool_in_its_own_application_keeps_only_the_gateways_part_here():
     for field in ("engine", "routing", "deployment"):
         wrong = copy.deepcopy(args)
         wrong["pools"][0][field] = {}
-        assert f"{field}: set in the args of application 'forge-pool-primary'" in config_error(wrong)
+        assert f"{field}: set in the args of application 'forge-pool-primary'" in config_error(
+            wrong
+        )
     twice = copy.deepcopy(args)
     twice["pools"].append({"name": "second", "model": "m2", "app": "forge-pool-primary"})
     assert "pools.app: duplicate names ['forge-pool-primary']" in config_error(twice)
