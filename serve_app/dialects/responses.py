@@ -79,7 +79,16 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
     text: dict | None = None
-    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    # OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512. Stored with the
+    # response and never sent to the model, so it costs no tokens: unbounded, one tenant's
+    # metadata would evict every tenant's stored conversations from the shared store.
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
 

@@ -313,6 +313,10 @@ async def test_stored_responses_belong_to_their_tenant_and_can_be_deleted(gatewa
         ),
         ({"tools": [TOOL, {"type": "namespace", "name": "n", "tools": [TOOL]}]}, "tools"),
         ({"tools": [{"type": "namespace", "name": "n", "tools": ["x"]}]}, "tools.0.tools.0"),
+        # OpenAI's bounds: stored for free, unbounded it evicted others' conversations.
+        ({"metadata": {"k": "x" * 513}}, "metadata.k"),
+        ({"metadata": {"k" * 65: "x"}}, "metadata." + "k" * 65),
+        ({"metadata": {f"k{i}": "x" for i in range(17)}}, "metadata"),
     ],
 )
 async def test_what_cannot_be_served_is_a_400_naming_the_field(gateway: Gateway, extra, param):
