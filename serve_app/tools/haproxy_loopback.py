@@ -94,11 +94,27 @@ def _either_separator(name: str) -> str:
     return "^" + "[-_]".join(re.escape(part) for part in re.split(r"[-_]", name.lower())) + "$"
 
 
+# The methods Forge serves. Serve labels its HTTP metrics with the request's method as sent, so
+# each made-up method an anonymous client sends (up to a kilobyte of it) would be new series in
+# Prometheus for good; they are answered here, before Serve sees them.
+METHODS = ("GET", "HEAD", "POST", "DELETE", "OPTIONS")
+NO_SUCH_METHOD = (
+    '{"error": {"message": "Method not allowed.", "type": "invalid_request_error", '
+    '"code": "method_not_allowed"}}'
+)
+
+
 def control_header_rules(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The ``http-request`` rules, in order, that keep Serve's control headers from clients."""
+    """The ``http-request`` rules, in order, that keep Serve's control headers from clients
+    (and its metrics from methods no route serves)."""
     environ = os.environ if environ is None else environ
     session_header = environ.get(*SESSION_HEADER_SETTING) or SESSION_HEADER_SETTING[1]
-    rules = [f"http-request del-header {name}" for name in SERVE_OWN_HEADERS]
+    quoted = NO_SUCH_METHOD.replace('"', '\\"')
+    rules = [
+        f'http-request return status 405 content-type application/json string "{quoted}"'
+        f" unless {{ method {' '.join(METHODS)} }}"
+    ]
+    rules += [f"http-request del-header {name}" for name in SERVE_OWN_HEADERS]
     rules += [
         f"http-request del-header '{_either_separator(name)}' -m reg"
         for name in (*SERVE_ROUTING_HEADERS, session_header)

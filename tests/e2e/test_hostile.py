@@ -514,6 +514,19 @@ def _chat_request(headers: Iterable[bytes], key: str | None = tenant_key(TENANT)
     return head + body
 
 
+@pytest.mark.parametrize("front", ["haproxy"], indirect=True)
+@pytest.mark.parametrize("method", ["QAMETH1", "PUT", "PATCH", "TRACE", "M" * 1000])
+def test_haproxy_answers_a_method_no_route_serves_itself(front, method):
+    """Serve labels its HTTP metrics with the method as sent: each made-up one an anonymous
+    client sent was new Prometheus series for good. HAProxy answers them, Serve never sees
+    them."""
+    answer = exchange(front, request_head(method, "/healthz", key=None))
+    assert answer is not None and answer.status == 405, answer
+    assert json.loads(answer.body)["error"]["code"] == "method_not_allowed"
+    kept = exchange(front, request_head("GET", "/healthz", key=None))
+    assert kept is not None and kept.status == 200, kept
+
+
 BEHIND_UVICORN = ["proxy", "direct"]  # the doors where Serve's uvicorn parses the request
 
 
