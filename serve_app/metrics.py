@@ -66,7 +66,7 @@ class ForgeMetrics:
         )
         self.ttft = histogram(
             "forge_ttft_seconds",
-            "Time from request arrival to the first byte of the answer.",
+            "Time from request arrival to the first byte of a streamed answer.",
             *("route", "model", "backend"),
         )
         self.tpot = histogram(
@@ -231,7 +231,11 @@ class ForgeMetrics:
         ttft_s: float | None,
         duration_s: float,
         usage: dict | None,
+        streamed: bool = True,
     ) -> None:
+        """One finished request. Its time to first token and per output token are a stream's
+        only: a whole answer's first byte is its last (its time is the duration's), and its
+        tokens came before it, so they would drag both the TTFT and TPOT panels off."""
         self.requests.inc(
             tags={
                 "tenant": tenant,
@@ -242,13 +246,13 @@ class ForgeMetrics:
             }
         )
         timing_tags = {"route": route, "model": model, "backend": backend}
-        if ttft_s is not None:
+        if ttft_s is not None and streamed:
             self.ttft.observe(ttft_s, tags=timing_tags)
         self.duration.observe(duration_s, tags=timing_tags)
         if status == 599:
             self.truncated.inc(tags={"model": model, "backend": backend})
         completion = _count(usage, "completion_tokens")
-        if ttft_s is not None and completion > 1 and duration_s > ttft_s:
+        if streamed and ttft_s is not None and completion > 1 and duration_s > ttft_s:
             self.tpot.observe((duration_s - ttft_s) / (completion - 1), tags=timing_tags)
 
     def store_changed(self, store: str, state: State) -> None:

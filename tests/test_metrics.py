@@ -70,6 +70,14 @@ def test_no_tpot_or_tokens_from_missing_single_token_or_untrusted_usage(metrics,
     assert all(v > 0 for v in metrics.tokens.values)
 
 
+def test_a_whole_answer_has_a_duration_but_no_ttft_or_tpot(metrics):
+    """Its first byte is its last: as TTFT it read as slow as the answer, and its tokens, all
+    before it, as a TPOT of nothing (the live panels: TTFT p50 172 ms, TPOT p50 0.7 ms)."""
+    record(metrics, streamed=False)
+    assert metrics.ttft.calls == [] and metrics.tpot.calls == []
+    assert metrics.duration.values == [1.1] and len(metrics.requests.calls) == 1
+
+
 def test_an_error_before_any_byte_has_no_ttft(metrics):
     record(metrics, status=401, ttft_s=None, usage=None, model="none", backend="none")
     assert metrics.ttft.calls == [] and metrics.tpot.calls == []

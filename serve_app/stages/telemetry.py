@@ -54,6 +54,7 @@ class TelemetryStage:
             ttft_s=ttft,
             duration_s=duration,
             usage=ctx.usage,
+            streamed=bool(getattr(ctx.parsed, "stream", False)),
         )
         if ctx.target is not None and ctx.target.variant is not None:
             self._record_variant(ctx, status, ttft, duration)
