@@ -35,6 +35,7 @@ _LATENCY_BUCKETS = [
     60.0,
     120.0,
     300.0,
+    600.0,  # a pool's default request_timeout_s: the longest answer is in a finite bucket
 ]
 
 

@@ -38,6 +38,13 @@ VLLM_SERIES = {
     "ray_vllm_num_requests_waiting": frozenset({"model_name", "engine"}),
 }
 
+# Ray Serve's own series the rules read (ray/serve/_private/deployment_state.py in Ray 2.60): a
+# replica's health from the controller, per replica where Ray exports high-cardinality tags,
+# else the deployment's count of healthy replicas (the rule holds for both: ">= 1").
+RAY_SERVE_SERIES = {
+    "ray_serve_deployment_replica_healthy": frozenset({"deployment", "application", "replica"}),
+}
+
 # The GPU series: the DCGM fields dcgm-exporter is configured to export on the cluster
 # (cluster/gpu-metrics/counters.yaml, read here, so a field dropped there fails the panel that
 # needs it), with the exporter's labels and those its PodMonitor adds (`node`).
@@ -182,7 +189,7 @@ def exported_series() -> dict[str, frozenset[str]]:
             series[f"{exported}_count"] = declared.labels
         else:
             series[exported] = declared.labels
-    return {**series, **VLLM_SERIES, **dcgm_series()}
+    return {**series, **VLLM_SERIES, **RAY_SERVE_SERIES, **dcgm_series()}
 
 
 # -- the expressions ----------------------------------------------------------------------------
@@ -275,7 +282,8 @@ def test_every_expression_queries_real_series_and_labels(where: str, expr: str):
     for selector in selectors(parsed):
         assert selector.name, f"{where}: a selector without a metric name: {selector}"
         assert selector.name in known or selector.name in recorded, (
-            f"{where}: {selector.name} is not a series Forge, vLLM or dcgm-exporter exports"
+            f"{where}: {selector.name} is not a series Forge, Ray Serve, vLLM or dcgm-exporter "
+            "exports"
         )
         if selector.name in known:
             labels = {m.name for m in selector.matchers.matchers} - {"__name__"}
