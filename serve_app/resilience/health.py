@@ -5,6 +5,8 @@ hours and then be needed at once, during an outage. So it is probed: ``/readyz``
 last answer without a call of its own (a readiness probe every few seconds from every pod
 should not become traffic to Gemini), and failed probes count against its breaker like failed
 requests, so a fallback that died while idle is known dead before the first failover needs it.
+Past an open breaker's cool-down, a check is the breaker's half-open probe: it closes it or
+keeps it open, with no client's request spent on finding out.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from serve_app.resilience.breaker import Outcome
+from serve_app.resilience.breaker import Admit, Outcome, State
 from serve_app.resilience.client import BreakerClient
 
 logger = logging.getLogger("ray.serve")
@@ -43,8 +45,18 @@ class HealthWatch:
         if ok != self.healthy:
             logger.info("backend %s health: %s", self.name, "up" if ok else "down")
         self.healthy = ok
-        if not ok and self._breakers is not None:
-            self._breakers.record(self.name, Outcome.FAILURE)
+        breakers = self._breakers
+        if breakers is None:
+            return ok
+        if breakers.state(self.name) is not State.CLOSED and breakers.probe_ready(self.name):
+            # An open breaker past its cool-down takes this check as its one probe: the
+            # fallback sees no traffic while the primary is healthy, and a breaker that only a
+            # failover could probe stayed open (and ForgeBreakerOpen firing) for hours.
+            if await breakers.admit(self.name) is Admit.PROBE:
+                breakers.record(self.name, Outcome.SUCCESS if ok else Outcome.FAILURE, probe=True)
+                return ok
+        if not ok:
+            breakers.record(self.name, Outcome.FAILURE)
         return ok
 
     async def current(self) -> bool:

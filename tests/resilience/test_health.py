@@ -144,3 +144,38 @@ async def test_aclose_stops_the_timer(watches):
     watches(control, TICK_S).start()
     await eventually_async(lambda: control.calls >= 4, timeout_s=5, what="the control's probes")
     assert check.calls == calls
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("up", [True, False], ids=["passes", "fails"])
+async def test_past_the_cool_down_a_check_is_the_open_breakers_probe(watches, up):
+    """An idle fallback's breaker was probed only by a failover's request: open for hours (and
+    ForgeBreakerOpen firing) while the fallback was back, until a client's request found out."""
+    clock = Clock()
+    board = BreakerBoard(BreakerSettings(failure_threshold=2, cooldown_s=30), clock=clock)
+    breakers = BreakerClient(board, sync_interval_s=60, clock=clock)
+    try:
+        check = Check(up=False)
+        watch = watches(check, LONG_S, breakers)
+        for _ in range(2):
+            await watch.probe()
+        await breakers.flush()
+        assert board.breaker("fallback").state is State.OPEN
+        check.up = up
+        await watch.probe()  # within the cool-down: no probe, the breaker stays open
+        await breakers.flush()
+        assert board.breaker("fallback").state is State.OPEN
+
+        clock.now += 31
+        await watch.probe()
+        await breakers.flush()
+        assert board.breaker("fallback").state is (State.CLOSED if up else State.OPEN)
+    finally:
+        await breakers.aclose()
