@@ -47,6 +47,7 @@ from serve_app.resilience.settings import retry_budget_settings
 from serve_app.stages.admission import AdmissionStage
 from serve_app.stages.authenticate import AuthStage
 from serve_app.stages.cache import CachedPool, CacheStage
+from serve_app.stages.counting_limit import CountingLimit
 from serve_app.stages.dispatch import Dispatch
 from serve_app.stages.metering import MeterStage
 from serve_app.stages.parse import ParseStage
@@ -234,7 +235,8 @@ def build_pipeline(
         served={p.name: p.model for p in config.pools},
         shadows=lasting.shadows,
     )
-    counting = [*front, parse]
+    # Counting spends no tokens, but CPU: at the tenant's requests/min, apart (its own module).
+    counting = [*front, CountingLimit(config.tenants, 1 / gateway_replicas(config)), parse]
     if tracer is None:
         return Pipeline(
             compose(stages, dispatch),
