@@ -114,7 +114,7 @@ def _config_check(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 1
-    except ValueError as err:
+    except (ValueError, OSError, yaml.YAMLError) as err:
         print(f"invalid key file: {err}", file=sys.stderr)
         return 1
     if not config.tenants:
