@@ -118,7 +118,8 @@ class ForgeRequestRouter(RequestRouter):
             self._adapter_placements,
             self._index_hit_tokens,
         ):
-            series.set_default_tags({"pool": pool, "policy": policy})
+            # The pool's name, as the gateway's and the schedulers' series give it.
+            series.set_default_tags({"pool": self.pool, "policy": policy})
         self.route_blocks = route_blocks
         self._sync_waited: set[str] = set()  # replicas whose first snapshot a request awaited
 

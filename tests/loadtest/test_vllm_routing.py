@@ -65,8 +65,8 @@ def test_a_counter_per_target_from_prometheus_text():
     text = "\n".join(
         [
             "# TYPE ray_forge_route_index_hit_tokens_total counter",
-            'ray_forge_route_index_hit_tokens_total{pool="pool-tiny",target="r1"} 640.0',
-            'ray_forge_route_index_hit_tokens_total{pool="pool-tiny",target="r2"} 32.0',
+            'ray_forge_route_index_hit_tokens_total{pool="tiny",target="r1"} 640.0',
+            'ray_forge_route_index_hit_tokens_total{pool="tiny",target="r2"} 32.0',
             'ray_forge_route_index_hit_tokens_total{pool="other",target="r1"} 64.0',
             'ray_forge_route_index_hit_tokens_total_other{target="r1"} 9.0',
         ]
