@@ -138,7 +138,19 @@ def _config_check(args: argparse.Namespace) -> int:
         + f"; live configuration {live_digest(config)}"
         + "".join(f"; {line}" for line in mounted)
     )
+    for name in sorted(set(config.metering.prices) - _served_names(config)):
+        # Not an error: a model retired from the pools still has usage to price.
+        print(f"note: metering.prices.{name}: no pool, adapter or fallback serves {name!r} now")
     return 0
+
+
+def _served_names(config) -> set[str]:
+    """The names the ledger records usage under: what served it."""
+    names = {p.model for p in config.pools}
+    names |= {f"{p.model}:{a.name}" for p in config.pools for a in p.adapters}
+    if config.fallback is not None:
+        names.add(config.fallback.model)
+    return names
 
 
 def _key_files_read(config) -> list[str]:

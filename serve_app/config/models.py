@@ -789,6 +789,15 @@ class ForgeConfig(_Strict):
                 f"models.{i}", pools, self.fallback is not None, public
             )
             public.add(policy.name)
+        aliases = {policy.name for policy in self.models}
+        for name in self.metering.prices:
+            if name in aliases:
+                # The ledger records the model that served a request, never the name asked.
+                problems.append(
+                    f"metering.prices.{name}: {name!r} is a models: entry; usage is recorded "
+                    "under the served model's name (a pool's model, an adapter's "
+                    "<model>:<adapter>, the fallback's): price those"
+                )
         closed = {p.name for p in self.pools if not p.fallback}
         for i, policy in enumerate(self.models):
             kept = sorted({v.pool for v in policy.variants} & closed)

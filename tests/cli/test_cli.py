@@ -306,6 +306,23 @@ def test_config_check_reads_the_key_files_that_are_here(tmp_path, capsys):
     assert "not on this machine: not checked" in capsys.readouterr().out
 
 
+def test_config_check_notes_a_price_for_a_model_nothing_serves(tmp_path, capsys):
+    import yaml
+
+    document = yaml.safe_load(open("configs/local.yaml"))
+    forge = document["applications"][0]
+    forge["args"].setdefault("metering", {})["prices"] = {
+        "forge-sim-1b": {"prompt_per_million": 1.0},
+        "forge-sim-1bb": {"prompt_per_million": 1.0},  # a typo, or a model retired
+    }
+    priced = tmp_path / "priced.yaml"
+    priced.write_text(yaml.safe_dump(document))
+    assert cli.main(["config", "check", str(priced)]) == 0
+    out = capsys.readouterr().out
+    assert "note: metering.prices.forge-sim-1bb: no pool, adapter or fallback serves" in out
+    assert "prices.forge-sim-1b:" not in out
+
+
 def test_config_check_holds_the_gateway_and_its_pools_applications_to_each_other(tmp_path, capsys):
     import yaml
 

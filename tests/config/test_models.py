@@ -466,3 +466,14 @@ def test_an_alias_cannot_take_a_pool_that_refuses_the_fallback_to_it():
     assert "pool 'private' has fallback: false" in config_error(args)
     args["pools"][0]["fallback"] = True
     load_config(args)
+
+
+def test_a_price_on_an_alias_is_refused():
+    """The ledger records the model that served, never the name asked: an alias's price never
+    matched a line, and `forge usage` said the served model had no price."""
+    args = minimal()
+    args["models"] = [{"name": "chat", "variants": [{"name": "main", "pool": "primary"}]}]
+    args["metering"] = {"prices": {"chat": {"prompt_per_million": 1.0}}}
+    assert "metering.prices.chat: 'chat' is a models: entry" in config_error(args)
+    args["metering"] = {"prices": {"m1": {"prompt_per_million": 1.0}}}
+    load_config(args)
