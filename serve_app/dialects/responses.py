@@ -62,6 +62,9 @@ _UNSERVABLE = {
 }
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -91,6 +94,14 @@ class ResponsesRequest(BaseModel):
     ) = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    # Log-probabilities come with the text where ``include`` asks for them (OpenAI's
+    # "message.output_text.logprobs"); ``top_logprobs`` alternatives each (vLLM gives 20).
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20, strict=True)] | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
 
 @dataclass(slots=True)
@@ -133,6 +144,7 @@ class Turn:
             "tool_choice": self.body.get("tool_choice", "auto"),
             "tools": self.body.get("tools") or [],
             "top_p": req.top_p if req.top_p is not None else 1.0,
+            "top_logprobs": req.top_logprobs,
             "truncation": req.truncation or "disabled",
             "reasoning": _echoed_reasoning(self.body.get("reasoning")),
             "usage": usage,
@@ -192,6 +204,9 @@ class ResponsesDialect:
             value = getattr(req, ours)
             if value is not None:
                 chat[theirs] = value
+        if req.logprobs:
+            chat["logprobs"] = True
+            chat["top_logprobs"] = req.top_logprobs or 0
         if req.tools:
             chat["tools"] = chat_tools(req.tools)
         if req.tool_choice is not None:
@@ -235,8 +250,9 @@ class ResponsesDialect:
             return status, _in_responses_terms(body)  # OpenAI's error shape is this API's too
         text, calls, finish = chat_message(body["choices"][0])
         reasoning = reasoning_of(body["choices"][0].get("message") or {})
+        said = _logprobs(body["choices"][0])
         output = ([reasoning_item(reasoning, "completed")] if reasoning else []) + (
-            [message_item(text, "completed")] if text else []
+            [message_item(text, "completed", said)] if text else []
         )
         namespaces = tool_namespaces(turn.request.tools)
         output += [function_call_item(c, "completed", namespaces) for c in calls]
@@ -271,6 +287,7 @@ class ResponsesDialect:
         message: dict | None = None  # the text item, while it is open
         text: list[str] = []  # all of the answer's text
         message_text: list[str] = []  # the open text item's
+        message_logprobs: list[dict] = []  # and its tokens' log-probabilities, where asked
         reasoning_start = 0  # where the open reasoning item's text starts in ``reasoning``
         calls = ToolCallDeltas()
         namespaces = tool_namespaces(turn.request.tools)
@@ -285,7 +302,7 @@ class ResponsesDialect:
                 error = failed_error(payload)
                 # What was said before the failure stays in the output, cut off where it was.
                 if message is not None:
-                    message["content"] = [_text_part("".join(message_text))]
+                    message["content"] = [_text_part("".join(message_text), message_logprobs)]
                 if thought is not None:
                     said = "".join(reasoning[reasoning_start:])
                     thought["content"] = [_reasoning_part(said)]
@@ -324,20 +341,25 @@ class ResponsesDialect:
                 if isinstance(content, str) and content:
                     if message is None:
                         message = message_item("", "in_progress")
-                        message_index, message_text = len(output), []
+                        message_index, message_text, message_logprobs = len(output), [], []
                         output.append(message)
                         for event in _opened(events, message_index, message, _text_part("")):
                             yield event
                     text.append(content)
                     message_text.append(content)
+                    said = _logprobs(choice)
+                    message_logprobs += said
                     kind = "response.output_text.delta"
                     yield _part_event(
-                        events, kind, message_index, message, delta=content, logprobs=[]
+                        events, kind, message_index, message, delta=content, logprobs=said
                     )
                 for opened, call, arguments in calls.feed(delta):
                     if opened:
                         if message is not None:  # the text before the calls is done
-                            for event in _text_done(events, message_index, message, message_text):
+                            done = _text_done(
+                                events, message_index, message, message_text, message_logprobs
+                            )
+                            for event in done:
                                 yield event
                             message = None
                         if open_call is not None:  # one call at a time, as OpenAI streams them
@@ -371,7 +393,10 @@ class ResponsesDialect:
             for event in _reasoning_done(events, thought_index, thought, said, ending):
                 yield event
         if message is not None:
-            for event in _text_done(events, message_index, message, message_text, ending):
+            done = _text_done(
+                events, message_index, message, message_text, message_logprobs, ending
+            )
+            for event in done:
                 yield event
         if open_call is not None:
             for event in _call_done(events, *open_call, ending):
@@ -444,14 +469,20 @@ class _Events:
 
 
 def _text_done(
-    events: _Events, index: int, message: dict, text: list[str], status: str = "completed"
+    events: _Events,
+    index: int,
+    message: dict,
+    text: list[str],
+    logprobs: list[dict],
+    status: str = "completed",
 ) -> list[bytes]:
     """The open text item's closing events; its text is what was said so far."""
     said = "".join(text)
     message["status"] = status
-    message["content"] = [_text_part(said)]
+    part = _text_part(said, logprobs)
+    message["content"] = [part]
     done = "response.output_text.done"
-    return _closed(events, index, message, done, _text_part(said), text=said, logprobs=[])
+    return _closed(events, index, message, done, part, text=said, logprobs=logprobs)
 
 
 def _call_done(events: _Events, index: int, item: dict, status: str = "completed") -> list[bytes]:
@@ -547,17 +578,24 @@ def _unsealed(value: object) -> str:
         return ""
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(text: str, status: str) -> dict:
+def _logprobs(choice: dict) -> list[dict]:
+    """A chat choice's (or chunk's) token log-probabilities, as an output text's: the same
+    entries (token, logprob, bytes, top_logprobs); none where none were asked."""
+    content = (choice.get("logprobs") or {}).get("content")
+    return [entry for entry in content if isinstance(entry, dict)] if content else []
+
+
+def message_item(text: str, status: str, logprobs: list[dict] | None = None) -> dict:
     return {
         "id": "msg_" + uuid.uuid4().hex,
         "type": "message",
         "status": status,
         "role": "assistant",
-        "content": [_text_part(text)] if text else [],
+        "content": [_text_part(text, logprobs)] if text else [],
     }
 
 

@@ -64,6 +64,37 @@ async def test_the_item_max_output_tokens_cut_is_incomplete(oai, stream):
         json.loads(call.arguments)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_come_with_the_text_where_include_asks(gateway, stream):
+    """They were always an empty list, whatever ``include`` said."""
+    ask = {
+        "model": MODEL,
+        "input": "Hello, Forge",
+        "max_output_tokens": 5,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    async with openai_client(gateway, strict=True) as oai:
+        if stream:
+            async with oai.responses.stream(**ask) as events:
+                seen = [e async for e in events]
+            deltas = [e for e in seen if e.type == "response.output_text.delta"]
+            streamed = [entry for e in deltas for entry in e.logprobs]
+            response = seen[-1].response
+        else:
+            response = await oai.responses.create(**ask)
+        plain = await oai.responses.create(
+            **{k: v for k, v in ask.items() if k != "include" and k != "top_logprobs"}
+        )
+    (part,) = response.output[-1].content
+    assert len(part.logprobs) == response.usage.output_tokens
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    if stream:
+        assert [e.token for e in streamed] == [e.token for e in part.logprobs]
+    assert plain.output[-1].content[0].logprobs == []
+
+
 async def test_an_error_names_the_field_as_the_client_wrote_it(oai):
     """vLLM refuses the chat body's max_tokens; the client sent max_output_tokens."""
     with pytest.raises(openai.BadRequestError) as refused:
