@@ -225,6 +225,23 @@ def test_config_check_passes_the_shipped_configs_and_names_a_bad_live_field(tmp_
     assert cli.main(["config", "check", str(bad), "--app", "nope"]) == 2
 
 
+def local_yaml() -> dict:
+    """configs/local.yaml as a document to change."""
+    import yaml
+
+    with open("configs/local.yaml") as f:
+        return yaml.safe_load(f)
+
+
+def config_check(tmp_path, document: dict) -> int:
+    """``forge config check`` on ``document``, written to a file as an operator writes it."""
+    import yaml
+
+    path = tmp_path / "checked.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return cli.main(["config", "check", str(path)])
+
+
 @pytest.mark.parametrize(
     ("mistake", "said"),
     [
@@ -254,70 +271,53 @@ def test_config_check_says_what_shape_is_wrong_without_a_traceback(tmp_path, cap
 def test_config_check_names_a_key_serve_would_drop_with_the_tenants(tmp_path, capsys, typo, meant):
     """Serve ignores keys it does not know: the gateway's live configuration (its tenants)
     went with them, and the check said ok."""
-    import yaml
-
-    document = yaml.safe_load(open("configs/local.yaml"))
+    document = local_yaml()
     forge = document["applications"][0]
     if typo == "deployment":
         forge["deployment"] = forge.pop("deployments")
     else:
         forge["deployments"][0]["userconfig"] = forge["deployments"][0].pop("user_config")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(document))
-    assert cli.main(["config", "check", str(bad)]) == 1
+    assert config_check(tmp_path, document) == 1
     assert f"{typo!r} is not a Serve setting, and Serve ignores it: did you mean {meant!r}?" in (
         capsys.readouterr().err
     )
 
 
 def test_config_check_refuses_what_the_gateway_would_not_start(tmp_path, capsys):
-    import yaml
-
-    document = yaml.safe_load(open("configs/local.yaml"))
+    document = local_yaml()
     forge = document["applications"][0]
     forge["deployments"] = [d for d in forge["deployments"] if d["name"] != "gateway"]
     forge["args"].pop("tenants", None)
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(document))
-    assert cli.main(["config", "check", str(bad)]) == 1
+    assert config_check(tmp_path, document) == 1
     assert "no tenants: the gateway would not start" in capsys.readouterr().err
 
 
 def test_config_check_reads_the_key_files_that_are_here(tmp_path, capsys):
-    import yaml
-
-    document = yaml.safe_load(open("configs/local.yaml"))
+    document = local_yaml()
     forge = document["applications"][0]
     tenants = forge["deployments"][0]["user_config"]["tenants"]
     keys = tmp_path / "keys.yaml"
     # The first tenant's key, listed under the second: the gateway would refuse to start.
     keys.write_text(f"{tenants[1]['name']}: [{tenants[0]['key_hashes'][0]}]\n")
     forge["args"]["key_hashes_file"] = str(keys)
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(document))
-    assert cli.main(["config", "check", str(bad)]) == 1
+    assert config_check(tmp_path, document) == 1
     assert "listed for two tenants" in capsys.readouterr().err
     keys.write_text(f"{tenants[1]['name']}: [{hash_key('sk-test-cli-new')}]\n")
-    assert cli.main(["config", "check", str(bad)]) == 0
+    assert config_check(tmp_path, document) == 0
     assert f"{keys} read" in capsys.readouterr().out
     forge["args"]["key_hashes_file"] = "/var/run/forge-keys/tenants.yaml"
-    bad.write_text(yaml.safe_dump(document))
-    assert cli.main(["config", "check", str(bad)]) == 0
+    assert config_check(tmp_path, document) == 0
     assert "not on this machine: not checked" in capsys.readouterr().out
 
 
 def test_config_check_notes_a_price_for_a_model_nothing_serves(tmp_path, capsys):
-    import yaml
-
-    document = yaml.safe_load(open("configs/local.yaml"))
+    document = local_yaml()
     forge = document["applications"][0]
     forge["args"].setdefault("metering", {})["prices"] = {
         "forge-sim-1b": {"prompt_per_million": 1.0},
         "forge-sim-1bb": {"prompt_per_million": 1.0},  # a typo, or a model retired
     }
-    priced = tmp_path / "priced.yaml"
-    priced.write_text(yaml.safe_dump(document))
-    assert cli.main(["config", "check", str(priced)]) == 0
+    assert config_check(tmp_path, document) == 0
     out = capsys.readouterr().out
     assert "note: metering.prices.forge-sim-1bb: no pool, adapter or fallback serves" in out
     assert "prices.forge-sim-1b:" not in out
