@@ -91,6 +91,14 @@ class UsageJournal:
     def _open_log(self) -> BinaryIO:
         return open(self._log_path, "ab", buffering=0)
 
+    def _reopen(self) -> None:
+        """A new unsealed file; where the directory takes none, the closed one stays and each
+        append is a ``JournalError`` (the usage is in memory only), never the request's."""
+        try:
+            self._log = self._open_log()
+        except OSError:
+            pass
+
     # -- the replica's own journal -----------------------------------------------------------
 
     def append(self, tenant: str, day: str, model: str, counts: Mapping[str, int]) -> None:
@@ -98,7 +106,7 @@ class UsageJournal:
         data = line.encode()
         try:
             written = self._log.write(data)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a file that could not be reopened
             raise JournalError(f"usage journal {self._log_path}: {exc}") from exc
         self.size += written or 0
         if written != len(data):
@@ -118,11 +126,12 @@ class UsageJournal:
                 self._log_path.write_bytes(b"")
             raise JournalError(f"usage journal {self._log_path}: {exc}") from exc
         finally:
-            self._log = self._open_log()
+            self._reopen()
 
     def confirmed(self, batch_id: str) -> None:
-        """The database took the batch: its file is not needed."""
-        with contextlib.suppress(FileNotFoundError):
+        """The database took the batch: its file is not needed (one left behind is refused
+        by its id when adopted)."""
+        with contextlib.suppress(OSError):
             self._batch_path(self.owner, batch_id).unlink()
 
     def should_compact(self) -> bool:
@@ -145,17 +154,16 @@ class UsageJournal:
             raise JournalError(f"usage journal {self._log_path}: {exc}") from exc
         finally:
             if self._log.closed:
-                self._log = self._open_log()
+                self._reopen()
         self.size = self._compacted_size = len(text.encode())
 
     def close(self) -> None:
         """A clean end with nothing queued: no file is left behind for an adopter."""
         self._log.close()
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             if self._log_path.stat().st_size == 0:
                 self._log_path.unlink()
-        if not any(p.suffix != ".lock" for p in self.directory.glob(f"{self.owner}.*")):
-            with contextlib.suppress(FileNotFoundError):
+            if not any(p.suffix != ".lock" for p in self.directory.glob(f"{self.owner}.*")):
                 Path(self._lock.name).unlink()
         self._lock.close()  # what is left (the database was down) is adopted by another
 

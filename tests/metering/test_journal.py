@@ -238,3 +238,21 @@ async def test_a_dead_journal_is_adopted_by_one_replica_at_a_time(book, tmp_path
     assert await second.adopt() == 1
     assert await first.adopt() == 0
     assert (await report(book))["prompt_tokens"] == 30
+
+
+async def test_a_journal_whose_directory_is_gone_never_fails_a_request(book, tmp_path):
+    """Appends, seals and reopening all fail: each is counted, and the usage lands all the
+    same (in memory only, as without a journal)."""
+    import shutil
+
+    failures: list[Exception] = []
+    directory = tmp_path / "journal"
+    ledger = UsageLedger(book, on_error=failures.append, journal=UsageJournal(directory))
+    ledger.add(record("a", 1, 1))
+    shutil.rmtree(directory)
+    await ledger.flush()  # the seal's rename fails, and so does the new file
+    ledger.add(record("a", 2, 2))  # an append to a file that is no more
+    await ledger.flush()
+    await ledger.aclose()
+    assert failures and all(isinstance(f, JournalError) for f in failures)
+    assert (await report(book))["prompt_tokens"] == 3
