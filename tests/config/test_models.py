@@ -397,7 +397,7 @@ def test_vllm_max_lora_rank_is_one_of_vllms_choices():
     [
         lambda a: a.setdefault("store", {}).update(redis_url_env="redis://:s3cret@h:6379/0"),
         lambda a: a.setdefault("metering", {}).update(
-            database_url_env="postgresql://forge:s3cret@db:5432/usage"
+            database_url_env="postgresql://forge:s3cret@db:5432/usage"  # pragma: allowlist secret
         ),
     ],
     ids=["store", "ledger"],

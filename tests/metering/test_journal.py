@@ -208,9 +208,13 @@ def test_each_ledger_has_a_journal_directory_of_its_own(monkeypatch, tmp_path):
     explicit = MeteringConfig(journal_dir=str(tmp_path / "j"))
     assert journal_directory(explicit) == tmp_path / "j"
 
-    monkeypatch.setenv("FORGE_TEST_LEDGER_A", "postgresql://forge:s3cret@db-a:5432/usage")
-    monkeypatch.setenv("FORGE_TEST_LEDGER_B", "postgresql://forge:other@db-a:5432/usage")
-    monkeypatch.setenv("FORGE_TEST_LEDGER_C", "postgresql://forge:s3cret@db-c:5432/usage")
+    # Made-up passwords, for the test to see that none names the directory.
+    a_url = "postgresql://forge:s3cret@db-a:5432/usage"  # pragma: allowlist secret
+    b_url = "postgresql://forge:other@db-a:5432/usage"  # pragma: allowlist secret
+    c_url = "postgresql://forge:s3cret@db-c:5432/usage"  # pragma: allowlist secret
+    monkeypatch.setenv("FORGE_TEST_LEDGER_A", a_url)
+    monkeypatch.setenv("FORGE_TEST_LEDGER_B", b_url)
+    monkeypatch.setenv("FORGE_TEST_LEDGER_C", c_url)
     a, b, c = (
         journal_directory(MeteringConfig(database_url_env=f"FORGE_TEST_LEDGER_{x}")) for x in "ABC"
     )
