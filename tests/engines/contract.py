@@ -458,8 +458,10 @@ class EngineContract:
         assert len(tokens) == len(offsets) == len(values) == len(tops) == usage.completion_tokens
         assert offsets == sorted(offsets)  # running on across chunks
         assert all(v <= 0 for v in values)
-        for token, value, top in zip(tokens, values, tops, strict=True):
-            assert top[token] == value and 1 <= len(top) <= 3  # k alternatives and the token
+        for token, top in zip(tokens, tops, strict=True):
+            # k alternatives and the token, keyed by their text: two tokens that decode alike
+            # (a random model's stray bytes, each "\ufffd") are one key, as in vLLM's own.
+            assert token in top and 1 <= len(top) <= 3
 
     @pytest.mark.parametrize("kind", KINDS)
     async def test_no_logprobs_unless_asked(self, engine, spec, kind):
