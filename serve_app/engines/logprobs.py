@@ -40,14 +40,13 @@ def asked(body: dict, kind: Kind) -> int | None:
         top = body.get("logprobs")
         if top is None or top is False:
             return None
-    wanted = 10**9 if top == -1 else int(top)  # -1: the whole vocabulary
-    if wanted > MAX_LOGPROBS:
+    if top == -1 or int(top) > MAX_LOGPROBS:  # -1: the whole vocabulary
         raise errors.invalid_request(
-            f"Requested sample logprobs of {wanted if top != -1 else 'the vocabulary'}, which "
-            f"is greater than max allowed: {MAX_LOGPROBS}",
+            f"Requested sample logprobs of {top}, which is greater than max allowed: "
+            f"{MAX_LOGPROBS}",
             param="top_logprobs" if kind == "chat" else "logprobs",
         )
-    return wanted
+    return int(top)
 
 
 def _logprob(token: str, position: int) -> float:

@@ -86,7 +86,7 @@ class SimulatedEngine(Engine):
     async def count_prompt(self, body: dict) -> int:
         return len(tokenizer.encode(prompt_text(body, "chat")))
 
-    def _generate(self, body: dict, kind: Kind, request_id: str):
+    def _generate(self, body: dict, kind: Kind, request_id: str, *, pieces: bool = False):
         """Validate like vLLM (400 for what can never fit) and start the token stream, shaped
         by ``stop`` and ``response_format`` (``output_rules.py``); with the flag a stop string
         sets when it ends the generation."""
@@ -108,7 +108,8 @@ class SimulatedEngine(Engine):
             )
         except ValueError as exc:
             raise errors.invalid_request(str(exc), code="context_length_exceeded") from None
-        return ids, _shaped(tokens, body, stopped, self._thinking(body, kind)), stopped
+        thinking = self._thinking(body, kind)
+        return ids, _shaped(tokens, body, stopped, thinking, pieces=pieces), stopped
 
     def _thinking(self, body: dict, kind: Kind) -> int:
         """How many of the answer's first tokens are reasoning: the configured number on chat,
@@ -297,7 +298,7 @@ class SimulatedEngine(Engine):
                     yield item
             return
         described = _described(body, kind)
-        ids, tokens, stopped = self._generate(body, kind, request_id)
+        ids, tokens, stopped = self._generate(body, kind, request_id, pieces=described is not None)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         shown = body.get("include_reasoning") is not False  # vLLM's switch
         chunk = _ChunkFormat(kind, request_id, self.model, include_usage, self.stop_reason)
@@ -372,7 +373,7 @@ class SimulatedEngine(Engine):
         if calls:
             return await self._complete_calls(body, request_id, calls)
         described = _described(body, kind)
-        ids, tokens, stopped = self._generate(body, kind, request_id)
+        ids, tokens, stopped = self._generate(body, kind, request_id, pieces=described is not None)
         pieces: list[str] = []
         thoughts: list[str] = []
         said: list[dict] = []
@@ -527,13 +528,19 @@ class _Shaped:
 
 
 async def _shaped(
-    tokens: AsyncIterator[TokenOutput], body: dict, stopped: _StopFlag, thinking: int = 0
+    tokens: AsyncIterator[TokenOutput],
+    body: dict,
+    stopped: _StopFlag,
+    thinking: int = 0,
+    *,
+    pieces: bool = False,
 ) -> AsyncIterator[_Shaped]:
     """Per engine output: the reasoning (its first ``thinking`` tokens, as vLLM's reasoning
     parser splits them off) and the answer's text, with JSON mode's wrapping and stop strings
     applied to the answer (vLLM's grammar starts where the reasoning ends). A stop string inside
     a merged output ends the text there; the output's tokens all count, since the engine
     generated them: vLLM, which checks stop strings per step, would have stopped at it.
+    ``pieces``: the answer's text by token too, which only log-probabilities need.
     """
     shape = JsonShape.of(body)
     matcher = StopMatcher(stop_strings(body))
@@ -560,7 +567,7 @@ async def _shaped(
                     out.num_cached_tokens,
                     out.num_tokens,
                     thought,
-                    _pieces(text, out.pieces[thought:]),
+                    _pieces(text, out.pieces[thought:]) if pieces else (),
                 )
                 return
             if out.finish_reason is not None:
@@ -572,7 +579,7 @@ async def _shaped(
                 out.num_cached_tokens,
                 out.num_tokens,
                 thought,
-                _pieces(text, out.pieces[thought:]),
+                _pieces(text, out.pieces[thought:]) if pieces else (),
             )
 
 
