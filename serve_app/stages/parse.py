@@ -110,15 +110,14 @@ class ParseStage:
             if err.code != "context_length_exceeded":
                 raise
             refused = err
-        for other in self.policy.other_variants(target):
+        others = self.policy.other_variants(target)
+        for other in others:
             try:
                 return place(other, prompt, output, truncated=truncated)
             except errors.ForgeError as err:
                 if err.code != "context_length_exceeded":
                     raise
-        windows = [
-            s.context or 0 for t in (target, *self.policy.other_variants(target)) for s in t.steps
-        ]
+        windows = [s.context or 0 for t in (target, *others) for s in t.steps]
         needed = prompt + (output or target.steps[0].default_max_tokens)
         if max(windows, default=0) > 0:
             raise errors.context_length_exceeded(target.model, needed, max(windows)) from None
